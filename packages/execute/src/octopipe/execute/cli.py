@@ -1,0 +1,144 @@
+"""The ``octopipe`` command line.
+
+Exit codes: 0 success; 1 an internal error (a bug: please report it);
+2 bad arguments or unreadable input (the one-line message says what to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+import structlog
+
+from octopipe.execute import demo
+from octopipe.execute.logconfig import configure_logging
+from octopipe.plan.v1 import plan_pb2
+from octopipe.simulate.ir import (
+    PlanError,
+    format_grid,
+    load_plan,
+    plan_to_text,
+    plan_to_torch_csv,
+    save_plan,
+)
+from octopipe.tune import gpipe, one_f_one_b
+
+__all__ = ["EXIT_INTERNAL", "EXIT_OK", "EXIT_USAGE", "main"]
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_USAGE = 2
+
+_SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
+_FORMATS = ("binary", "json", "text", "csv")
+
+
+class UsageError(Exception):
+    """Bad arguments or input: reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version("octopipe-execute")
+    except PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="octopipe", description="Pipeline-parallel training: plan, simulate, tune, run.")
+    parser.add_argument("--version", action="version", version=f"octopipe {_version()}")
+    parser.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    plan = sub.add_parser("plan", help="show or convert plans (binary/JSON proto, text, torch CSV)")
+    plan_sub = plan.add_subparsers(dest="plan_command", metavar="PLAN_COMMAND", parser_class=_Parser)
+    show = plan_sub.add_parser("show", help="print a plan as a rank x step grid, text, CSV or JSON")
+    source = show.add_mutually_exclusive_group(required=True)
+    source.add_argument("path", nargs="?", type=Path, help="plan file (.pb/.binpb, .json, .txt/.plan, .csv)")
+    source.add_argument("--example", choices=sorted(_SCHEDULES), help="a generated example plan instead of a file")
+    show.add_argument("--ranks", type=int, default=2, help="ranks of the example plan")
+    show.add_argument("--microbatches", type=int, default=4, help="micro-batches of the example plan")
+    show.add_argument("--as", dest="fmt", choices=("grid", "text", "csv", "json"), default="grid")
+    show.add_argument("--compute-only", action="store_true", help="grid/csv: leave out communication")
+
+    convert = plan_sub.add_parser("convert", help="convert a plan file between formats")
+    convert.add_argument("source", type=Path)
+    convert.add_argument("destination", type=Path)
+    convert.add_argument("--from", dest="from_format", choices=_FORMATS, help="default: from the suffix")
+    convert.add_argument("--to", dest="to_format", choices=_FORMATS, help="default: from the suffix")
+
+    run_demo = sub.add_parser("demo", help="the embedded default job (what exists of it so far)")
+    run_demo.add_argument("--out", type=Path, default=Path("out/demo"), help="where to write the plan files")
+    run_demo.add_argument("--ranks", type=int, default=2)
+    run_demo.add_argument("--microbatches", type=int, default=4)
+    return parser
+
+
+def _example(name: str, ranks: int, microbatches: int) -> plan_pb2.Plan:
+    try:
+        return _SCHEDULES[name](ranks, microbatches)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _plan_show(args: argparse.Namespace) -> int:
+    if args.example:
+        plan = _example(args.example, args.ranks, args.microbatches)
+    else:
+        plan = load_plan(args.path)
+    if args.fmt == "grid":
+        sys.stdout.write(format_grid(plan, compute_only=args.compute_only))
+    elif args.fmt == "text":
+        sys.stdout.write(plan_to_text(plan))
+    elif args.fmt == "csv":
+        sys.stdout.write(plan_to_torch_csv(plan, format="compute_only" if args.compute_only else "compute_comms"))
+    else:
+        from google.protobuf import json_format  # noqa: PLC0415
+
+        print(json.dumps(json_format.MessageToDict(plan, preserving_proto_field_name=True), indent=2))
+    return EXIT_OK
+
+
+def _plan_convert(args: argparse.Namespace) -> int:
+    plan = load_plan(args.source, format=args.from_format)
+    try:
+        save_plan(plan, args.destination, format=args.to_format)
+    except OSError as exc:
+        raise UsageError(f"{args.destination}: cannot write: {exc.strerror}") from None
+    structlog.get_logger("octopipe.cli").info("plan_converted", source=str(args.source), destination=str(args.destination))
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; return the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        configure_logging(fmt=args.log_format)
+        if args.command == "plan" and args.plan_command == "show":
+            return _plan_show(args)
+        if args.command == "plan" and args.plan_command == "convert":
+            return _plan_convert(args)
+        if args.command == "demo":
+            return demo.run(out=args.out, ranks=args.ranks, microbatches=args.microbatches)
+        parser.print_help()
+        return EXIT_USAGE
+    except (UsageError, PlanError) as exc:
+        print(f"octopipe: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def entry() -> NoReturn:
+    sys.exit(main())

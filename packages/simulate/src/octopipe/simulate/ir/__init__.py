@@ -1,0 +1,42 @@
+"""The Plan IR: typed actions over ``octopipe.plan.v1``, text, torch CSV and files."""
+
+from octopipe.simulate.ir.actions import (
+    Action,
+    ActionKind,
+    action_from_proto,
+    action_to_proto,
+    format_action,
+    parse_action,
+)
+from octopipe.simulate.ir.files import PlanFormat, load_plan, plan_format_for, save_plan
+from octopipe.simulate.ir.grid import format_grid
+from octopipe.simulate.ir.lower import add_p2p_actions
+from octopipe.simulate.ir.plan import PlanError, StageSpec, build_plan, rank_actions, stage_ranks, validate_plan
+from octopipe.simulate.ir.text import plan_from_text, plan_to_text
+from octopipe.simulate.ir.torch_csv import CsvFormat, plan_from_torch_csv, plan_to_torch_csv
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "CsvFormat",
+    "PlanError",
+    "PlanFormat",
+    "StageSpec",
+    "action_from_proto",
+    "add_p2p_actions",
+    "action_to_proto",
+    "build_plan",
+    "format_action",
+    "format_grid",
+    "load_plan",
+    "parse_action",
+    "plan_format_for",
+    "plan_from_text",
+    "plan_from_torch_csv",
+    "plan_to_text",
+    "plan_to_torch_csv",
+    "rank_actions",
+    "save_plan",
+    "stage_ranks",
+    "validate_plan",
+]

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The test command: set up, then every quality gate, then the test suite.
+# Extra arguments go to pytest (e.g. scripts/test.sh -m "not slow" -k ir).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$ROOT/scripts/setup.sh"
+cd "$ROOT"
+export PATH="$ROOT/.venv/bin:$PATH"
+
+gate() { printf '\n== %s\n' "$1"; shift; "$@"; }
+
+gate "ruff lint" ruff check .
+gate "ruff format" ruff format --check .
+gate "buf lint" buf lint protos
+gate "buf breaking (against the released baseline)" scripts/buf_breaking.sh
+gate "mypy (all packages)" mypy packages/capture/src packages/transform/src packages/execute/src tests
+gate "mypy --strict (simulate, tune)" mypy --strict packages/simulate/src packages/tune/src
+gate "pytest" python -m pytest "$@"
