@@ -109,9 +109,7 @@ def prepare_metadata_for_build_wheel(metadata_directory: str, config_settings: A
     return str(_setuptools.prepare_metadata_for_build_wheel(metadata_directory, config_settings))
 
 
-def build_wheel(
-    wheel_directory: str, config_settings: Any = None, metadata_directory: str | None = None
-) -> str:
+def build_wheel(wheel_directory: str, config_settings: Any = None, metadata_directory: str | None = None) -> str:
     _generated_here()
     return str(_setuptools.build_wheel(wheel_directory, config_settings, metadata_directory))
 
@@ -121,8 +119,6 @@ def build_sdist(sdist_directory: str, config_settings: Any = None) -> str:
     return str(_setuptools.build_sdist(sdist_directory, config_settings))
 
 
-def build_editable(
-    wheel_directory: str, config_settings: Any = None, metadata_directory: str | None = None
-) -> str:
+def build_editable(wheel_directory: str, config_settings: Any = None, metadata_directory: str | None = None) -> str:
     _generated_here()
     return str(_setuptools.build_editable(wheel_directory, config_settings, metadata_directory))

@@ -94,10 +94,7 @@ def _example(name: str, ranks: int, microbatches: int) -> plan_pb2.Plan:
 
 
 def _plan_show(args: argparse.Namespace) -> int:
-    if args.example:
-        plan = _example(args.example, args.ranks, args.microbatches)
-    else:
-        plan = load_plan(args.path)
+    plan = _example(args.example, args.ranks, args.microbatches) if args.example else load_plan(args.path)
     if args.fmt == "grid":
         sys.stdout.write(format_grid(plan, compute_only=args.compute_only))
     elif args.fmt == "text":
@@ -117,7 +114,9 @@ def _plan_convert(args: argparse.Namespace) -> int:
         save_plan(plan, args.destination, format=args.to_format)
     except OSError as exc:
         raise UsageError(f"{args.destination}: cannot write: {exc.strerror}") from None
-    structlog.get_logger("octopipe.cli").info("plan_converted", source=str(args.source), destination=str(args.destination))
+    structlog.get_logger("octopipe.cli").info(
+        "plan_converted", source=str(args.source), destination=str(args.destination)
+    )
     return EXIT_OK
 
 

@@ -54,14 +54,18 @@ def run(*, out: Path, ranks: int, microbatches: int) -> int:
     csv_path.write_text(plan_to_torch_csv(plan))
     log.info("demo_plan_written", out=str(out), ranks=ranks, microbatches=microbatches)
 
-    table = Table(title=f"plan {plan.name}: {len(plan.stages)} stages on {len(plan.ranks)} ranks, {plan.num_microbatches} micro-batches")
+    table = Table(
+        title=f"plan {plan.name}: {len(plan.stages)} stages on {len(plan.ranks)} ranks, {plan.num_microbatches} micro-batches"
+    )
     table.add_column("stage")
     table.add_column("rank")
     table.add_column("layers")
     table.add_column("actions on its rank")
     programs = rank_actions(plan)
     for stage in plan.stages:
-        table.add_row(str(stage.stage_index), str(stage.rank), " ".join(stage.layer_names), str(len(programs[stage.rank])))
+        table.add_row(
+            str(stage.stage_index), str(stage.rank), " ".join(stage.layer_names), str(len(programs[stage.rank]))
+        )
     console.print(table)
     console.print("compute order per rank (torch.distributed.pipelining action text):")
     console.print(format_grid(plan, compute_only=True), highlight=False, markup=False)

@@ -21,7 +21,9 @@ def _check(num_ranks: int, num_microbatches: int, layer_names: Sequence[Sequence
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     if layer_names is not None and len(layer_names) != num_ranks:
-        raise ValueError(f"layer_names has {len(layer_names)} stages; these schedules need one stage per rank ({num_ranks})")
+        raise ValueError(
+            f"layer_names has {len(layer_names)} stages; these schedules need one stage per rank ({num_ranks})"
+        )
 
 
 def _plan(
@@ -32,9 +34,7 @@ def _plan(
     layer_names: Sequence[Sequence[str]] | None,
 ) -> plan_pb2.Plan:
     placement = {s: s for s in range(num_ranks)}
-    stages = [
-        StageSpec(rank=s, layer_names=tuple(layer_names[s]) if layer_names else ()) for s in range(num_ranks)
-    ]
+    stages = [StageSpec(rank=s, layer_names=tuple(layer_names[s]) if layer_names else ()) for s in range(num_ranks)]
     return build_plan(
         stages=stages,
         actions=add_p2p_actions(compute, placement),

@@ -58,7 +58,7 @@ class ActionKind(enum.Enum):
                 f"action kind {value} is not a valid ActionKind: set `kind` to one of "
                 "ACTION_KIND_FORWARD .. ACTION_KIND_REDUCE_GRAD"
             )
-        return cls[plan_pb2.ActionKind.Name(value).removeprefix("ACTION_KIND_")]
+        return cls[plan_pb2.ActionKind.Name(plan_pb2.ActionKind.ValueType(value)).removeprefix("ACTION_KIND_")]
 
     @property
     def is_compute(self) -> bool:
@@ -95,11 +95,11 @@ _STAGE_WIDE: Final = frozenset({ActionKind.UNSHARD, ActionKind.RESHARD, ActionKi
 _OVERLAP_BACKWARDS: Final = frozenset({ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT})
 
 # Longest codes first so that `SEND_F` is not read as `S` + garbage.
-_SIMPLE_RE: Final = re.compile(
-    r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD|F|I|B|W)(\d*)"
-)
+_SIMPLE_RE: Final = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD|F|I|B|W)(\d*)")
 _OVERLAP_RE: Final = re.compile(r"\(([^()]*)\)OVERLAP_F_B")
-_FORM: Final = "expected [stage][kind][micro-batch] such as '2F0', '1I3', '0SEND_F1', '1UNSHARD' or '(0F3;3B1)OVERLAP_F_B'"
+_FORM: Final = (
+    "expected [stage][kind][micro-batch] such as '2F0', '1I3', '0SEND_F1', '1UNSHARD' or '(0F3;3B1)OVERLAP_F_B'"
+)
 
 
 @dataclass(frozen=True, slots=True)

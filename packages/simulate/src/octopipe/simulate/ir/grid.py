@@ -22,8 +22,7 @@ def format_grid(
     """
     programs = rank_actions(plan)
     cells = {
-        rank: [str(a) for a in actions if not compute_only or a.kind.is_compute]
-        for rank, actions in programs.items()
+        rank: [str(a) for a in actions if not compute_only or a.kind.is_compute] for rank, actions in programs.items()
     }
     length = max((len(c) for c in cells.values()), default=0)
     first, last = 0, length

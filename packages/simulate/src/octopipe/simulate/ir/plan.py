@@ -93,16 +93,24 @@ def validate_plan(plan: plan_pb2.Plan) -> None:
     num_ranks = len(plan.ranks)
     for position, program in enumerate(plan.ranks):
         if program.rank != position:
-            raise PlanError(f"ranks[{position}] says rank {program.rank}: list rank programs in order 0..{num_ranks - 1}")
+            raise PlanError(
+                f"ranks[{position}] says rank {program.rank}: list rank programs in order 0..{num_ranks - 1}"
+            )
     seen_layers: dict[str, int] = {}
     for position, stage in enumerate(plan.stages):
         if stage.stage_index != position:
-            raise PlanError(f"stages[{position}] says stage {stage.stage_index}: list stages in order 0..{len(plan.stages) - 1}")
+            raise PlanError(
+                f"stages[{position}] says stage {stage.stage_index}: list stages in order 0..{len(plan.stages) - 1}"
+            )
         if stage.rank >= num_ranks:
-            raise PlanError(f"stage {position} is placed on rank {stage.rank}, but the plan has {num_ranks} rank programs")
+            raise PlanError(
+                f"stage {position} is placed on rank {stage.rank}, but the plan has {num_ranks} rank programs"
+            )
         for layer in stage.layer_names:
             if layer in seen_layers:
-                raise PlanError(f"layer {layer!r} is in stage {seen_layers[layer]} and stage {position}: a layer belongs to one stage")
+                raise PlanError(
+                    f"layer {layer!r} is in stage {seen_layers[layer]} and stage {position}: a layer belongs to one stage"
+                )
             seen_layers[layer] = position
     placement = stage_ranks(plan)
     for program in plan.ranks:
@@ -120,7 +128,9 @@ def _check_action(
         raise PlanError(f"{where}: {exc}") from None
     for part in action.computations:
         if part.stage not in placement:
-            raise PlanError(f"{where} ({action}): stage {part.stage} does not exist; the plan has stages 0..{len(plan.stages) - 1}")
+            raise PlanError(
+                f"{where} ({action}): stage {part.stage} does not exist; the plan has stages 0..{len(plan.stages) - 1}"
+            )
         if placement[part.stage] != rank:
             raise PlanError(
                 f"{where} ({action}): stage {part.stage} is placed on rank {placement[part.stage]}, "

@@ -60,7 +60,9 @@ def plan_from_torch_csv(
             for part in action.computations:
                 previous = placement.setdefault(part.stage, rank)
                 if previous != rank:
-                    raise PlanError(f"stage {part.stage} has actions on ranks {previous} and {rank}: a stage runs on one rank")
+                    raise PlanError(
+                        f"stage {part.stage} has actions on ranks {previous} and {rank}: a stage runs on one rank"
+                    )
     if not placement:
         raise PlanError("the CSV has no actions: expected one row of actions per rank")
     missing = sorted(set(range(max(placement) + 1)) - set(placement))

@@ -1,0 +1,87 @@
+"""Every distribution is complete and declares exactly the dependencies it imports."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+import tomllib
+
+import pytest
+
+from tests.repo.layout import DISTRIBUTIONS, PACKAGES, ROOT, package_sources
+from tests.repo.test_layering import PROTO_AREAS, imported_modules
+
+# Top-level import name -> distribution name, for third-party code.
+IMPORT_TO_DIST = {"google": "protobuf", "grpc": "grpcio", "torch": "torch", "structlog": "structlog", "rich": "rich"}
+
+
+def requirement_name(requirement: str) -> str:
+    match = re.match(r"[A-Za-z0-9_.-]+", requirement)
+    assert match, requirement
+    return match.group(0).lower().replace("_", "-")
+
+
+def declared(package: str) -> set[str]:
+    data = tomllib.loads((DISTRIBUTIONS[package] / "pyproject.toml").read_text())
+    return {requirement_name(r) for r in data["project"].get("dependencies", [])}
+
+
+def used(package: str) -> set[str]:
+    dists = set()
+    for path in package_sources(package):
+        for module in imported_modules(path):
+            top = module.split(".")[0]
+            parts = module.split(".")
+            if top == "octopipe" and len(parts) > 1:
+                name = "protos" if parts[1] in PROTO_AREAS else parts[1]
+                if name != package:
+                    dists.add(f"octopipe-{name}")
+            elif top not in sys.stdlib_module_names and top != "__future__":
+                assert top in IMPORT_TO_DIST, f"{path}: add {top!r} to IMPORT_TO_DIST"
+                dists.add(IMPORT_TO_DIST[top])
+    return dists
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_declares_exactly_what_it_imports(package: str) -> None:
+    assert declared(package) == used(package)
+
+
+@pytest.mark.parametrize("dist", sorted(DISTRIBUTIONS))
+def test_distribution_is_complete(dist: str) -> None:
+    folder = DISTRIBUTIONS[dist]
+    data = tomllib.loads((folder / "pyproject.toml").read_text())
+    assert data["project"]["name"] == f"octopipe-{dist}"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", data["project"]["version"])
+    assert data["project"]["requires-python"] == ">=3.11"
+    for doc in ("README.md", "CHANGELOG.md"):
+        text = (folder / doc).read_text()
+        assert len(text.splitlines()) > 3, f"{folder / doc} is empty"
+    assert data["project"]["version"] in (folder / "CHANGELOG.md").read_text()
+    if dist != "protos":  # the protos' markers are generated with their code
+        assert (folder / "src" / "octopipe" / dist / "py.typed").is_file()
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_curated_all(package: str) -> None:
+    module = importlib.import_module(f"octopipe.{package}")
+    exported = module.__all__
+    assert exported == sorted(exported), "keep __all__ sorted"
+    assert "__version__" in exported
+    for name in exported:
+        assert hasattr(module, name), f"octopipe.{package}.__all__ names missing {name}"
+
+
+def test_simulate_and_tune_import_without_torch() -> None:
+    import subprocess
+
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import octopipe.simulate, octopipe.tune, octopipe.plan.v1.plan_pb2\n"
+        "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+        "print('ok')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
