@@ -15,11 +15,12 @@ from tests.repo.layout import PACKAGES, ROOT, package_sources
 
 # What each package may import from octopipe (besides itself).
 ALLOWED: dict[str, set[str]] = {
+    "examples": set(),
     "capture": {"protos"},
     "simulate": {"protos"},
     "transform": {"protos", "capture"},
     "tune": {"protos", "simulate"},
-    "execute": {"protos", "capture", "transform", "simulate", "tune"},
+    "execute": {"protos", "examples", "capture", "transform", "simulate", "tune"},
 }
 TORCH_FREE = {"simulate", "tune"}
 PROTO_AREAS = {"plan", "profile", "coordinator", "node"}

@@ -67,20 +67,23 @@ def test_wheel_contents(wheels: dict[str, Path]) -> None:
 
 CHECK = r"""
 import importlib, importlib.metadata, sys
-sys.modules["torch"] = None  # any import of torch now fails
-targets = sys.argv[1:]
+targets = sys.argv[2:]
 sys.path[:0] = targets
-import octopipe.plan.v1.plan_pb2, octopipe.profile.v1.profile_pb2, octopipe.node.v1.node_pb2_grpc
-import octopipe.coordinator.v1.coordinator_pb2_grpc
-import octopipe.simulate, octopipe.tune, octopipe.capture, octopipe.transform, octopipe.execute
-from octopipe.execute.cli import main
-origin = {m: sys.modules[m].__file__ for m in sys.modules if m.startswith("octopipe.") and m.count(".") == 1}
-origin["octopipe.plan"] = octopipe.plan.v1.plan_pb2.__file__
-for name, path in sorted(origin.items()):
-    print(name, path)
-versions = {d: importlib.metadata.version("octopipe-" + d) for d in ("protos", "capture", "transform", "simulate", "tune", "execute")}
+if sys.argv[1] == "torch-free":
+    sys.modules["torch"] = None  # any import of torch now fails
+    modules = ["octopipe.plan.v1.plan_pb2", "octopipe.profile.v1.profile_pb2", "octopipe.node.v1.node_pb2_grpc",
+               "octopipe.coordinator.v1.coordinator_pb2_grpc", "octopipe.simulate", "octopipe.tune"]
+else:
+    modules = ["octopipe.examples", "octopipe.capture", "octopipe.transform", "octopipe.execute"]
+for name in modules:
+    module = importlib.import_module(name)
+    print(name.rsplit(".", 2)[0] if name.endswith("_pb2") or name.endswith("_grpc") else name, module.__file__)
+dists = ("protos", "examples", "capture", "transform", "simulate", "tune", "execute")
+versions = {d: importlib.metadata.version("octopipe-" + d) for d in dists}
 assert set(versions.values()) == {"0.1.0"}, versions
-assert main(["plan", "show", "--example", "1f1b", "--ranks", "3"]) == 0
+if sys.argv[1] != "torch-free":
+    from octopipe.execute.cli import main
+    assert main(["plan", "show", "--example", "1f1b", "--ranks", "3"]) == 0
 """
 
 
@@ -106,15 +109,21 @@ def test_separate_directories_form_one_namespace(wheels: dict[str, Path], tmp_pa
         )
         targets[name] = target
     # -S: no site processing, so the editable install's .pth files are not read;
-    # third-party code (protobuf, grpc, structlog, rich) comes from the plain site-packages folder.
+    # third-party code (torch, protobuf, grpc, structlog, rich) comes from the plain site-packages folder.
     site_packages = sysconfig.get_paths()["purelib"]
     code = f"import sys; sys.path.append({site_packages!r})\n" + CHECK
-    result = subprocess.run(
-        [sys.executable, "-S", "-c", code, *map(str, targets.values())], capture_output=True, text=True, check=False
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith("octopipe."))
-    for name in ("capture", "transform", "simulate", "tune", "execute"):
-        assert lines[f"octopipe.{name}"].startswith(str(targets[name])), lines
-    assert lines["octopipe.plan"].startswith(str(targets["protos"]))
+    origins: dict[str, str] = {}
+    for mode in ("torch-free", "with-torch"):
+        result = subprocess.run(
+            [sys.executable, "-S", "-c", code, mode, *map(str, targets.values())],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        origins.update(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith("octopipe."))
+    for name in ("examples", "capture", "transform", "simulate", "tune", "execute"):
+        assert origins[f"octopipe.{name}"].startswith(str(targets[name])), origins
+    for area in ("plan", "profile", "node", "coordinator"):
+        assert origins[f"octopipe.{area}"].startswith(str(targets["protos"])), origins
     assert "0F0" in result.stdout  # the CLI ran from the separately installed wheels

@@ -1,10 +1,37 @@
-"""octopipe.capture: see README.md. The public API grows with the capture issue; this is its skeleton."""
+"""octopipe.capture: split a model into pipeline stages and trace each stage's joint forward+backward.
+
+No user writes a backward function: each stage's forward and backward are
+captured as FX graphs of ATen ops (AOTAutograd), parameters and buffers lifted
+as inputs. octopipe.transform splits the backward into B and W graphs.
+"""
 
 from importlib.metadata import PackageNotFoundError, version
+
+from octopipe.capture.graphs import StageGraphs
+from octopipe.capture.hf import hf_causal_lm_spec, is_hf_causal_lm
+from octopipe.capture.spec import pipeline_spec
+from octopipe.capture.stage import StageModule, split_model
+from octopipe.capture.trace import CaptureConfig, capture_stage, prune_dead_nodes
+from octopipe.capture.types import CaptureError, LayerSpec, LossFn, PipelineSpec
 
 try:
     __version__ = version("octopipe-capture")
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["__version__"]
+__all__ = [
+    "CaptureConfig",
+    "CaptureError",
+    "LayerSpec",
+    "LossFn",
+    "PipelineSpec",
+    "StageGraphs",
+    "StageModule",
+    "__version__",
+    "capture_stage",
+    "hf_causal_lm_spec",
+    "is_hf_causal_lm",
+    "pipeline_spec",
+    "prune_dead_nodes",
+    "split_model",
+]

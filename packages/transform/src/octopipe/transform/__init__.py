@@ -1,10 +1,25 @@
-"""octopipe.transform: see README.md. The public API grows with the capture issue; this is its skeleton."""
+"""octopipe.transform: pure graph passes over captured stages, and the layer profiler.
+
+Today: the automatic B/W split of a stage's backward (``split_backward``), the
+runnable split stage (``StageExecutable``) and the profiler.
+"""
 
 from importlib.metadata import PackageNotFoundError, version
+
+from octopipe.transform.bw_split import BWSplit, split_backward
+from octopipe.transform.executable import ForwardContext, StageExecutable, WeightContext, compile_stage
 
 try:
     __version__ = version("octopipe-transform")
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["__version__"]
+__all__ = [
+    "BWSplit",
+    "ForwardContext",
+    "StageExecutable",
+    "WeightContext",
+    "__version__",
+    "compile_stage",
+    "split_backward",
+]
