@@ -88,3 +88,23 @@ def test_demo_writes_round_tripping_plans(tmp_path: Path) -> None:
     event = json.loads(result.stderr.strip().splitlines()[-1])
     assert event["event"] == "demo_plan_written"
     assert event["ranks"] == 2
+
+
+def test_profile_writes_a_profile(tmp_path: Path) -> None:
+    from octopipe.profile.v1 import profile_pb2
+
+    out = tmp_path / "profile.binpb"
+    result = subprocess.run(
+        [OCTOPIPE, "profile", "--workload", "nemotronh-16", "--tiny", "--sequence", "8", "--repeats", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    profile = profile_pb2.Profile.FromString(out.read_bytes())
+    assert profile.model.name == "nemotronh-16"
+    assert [c.layer_type for c in profile.layers][:4] == ["embedding", "mamba2", "relu2", "mamba2"]
+    assert "layers.5" in result.stdout and f"written: {out}" in result.stdout
+    bad = subprocess.run([OCTOPIPE, "profile", "--out", str(tmp_path / "p.yaml")], capture_output=True, text=True, check=False)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == f"octopipe: error: --out {tmp_path / 'p.yaml'}: use a .binpb, .pb or .json file"

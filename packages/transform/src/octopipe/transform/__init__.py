@@ -8,6 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from octopipe.transform.bw_split import BWSplit, split_backward
 from octopipe.transform.executable import ForwardContext, StageExecutable, WeightContext, compile_stage
+from octopipe.transform.profiler import ProfilerConfig, format_profile, profile_layers, storage_bytes
 
 try:
     __version__ = version("octopipe-transform")
@@ -17,9 +18,13 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 __all__ = [
     "BWSplit",
     "ForwardContext",
+    "ProfilerConfig",
     "StageExecutable",
     "WeightContext",
     "__version__",
     "compile_stage",
+    "format_profile",
+    "profile_layers",
     "split_backward",
+    "storage_bytes",
 ]

@@ -1,0 +1,80 @@
+"""``octopipe profile``: profile a zoo workload's layers on this machine and write a Profile."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format
+
+from octopipe.profile.v1 import profile_pb2
+
+__all__ = ["add_parser", "run", "save_profile"]
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser("profile", help="time and size each layer's F, B and W graphs; write a Profile")
+    parser.add_argument("--workload", default="jamba-8", help="llama-8, jamba-8, nemotronh-16 or moe-ep-4")
+    parser.add_argument("--tiny", action="store_true", help="unit-test sizes instead of the standard ones")
+    parser.add_argument("--sequence", type=int, help="tokens per sequence (default: the workload's)")
+    parser.add_argument("--microbatch-size", type=int, help="sequences per micro-batch (default: the workload's)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per graph (median reported)")
+    parser.add_argument("--link", action="store_true", help="also measure the gloo link between two local ranks")
+    parser.add_argument("--out", type=Path, default=Path("out/profile.binpb"), help=".binpb or .json")
+    parser.add_argument("--json", action="store_true", help="print the Profile as JSON instead of a table")
+
+
+def save_profile(profile: profile_pb2.Profile, path: Path) -> None:
+    """Write ``profile`` as binary proto (.binpb/.pb) or proto JSON (.json)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".json":
+        path.write_text(json_format.MessageToJson(profile, preserving_proto_field_name=True, sort_keys=True) + "\n")
+    elif path.suffix in (".binpb", ".pb"):
+        path.write_bytes(profile.SerializeToString(deterministic=True))
+    else:
+        raise ValueError(f"{path}: write a profile as .binpb, .pb or .json")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch  # noqa: PLC0415 - torch loads only for commands that need it
+
+    from octopipe.examples import ModelConfig, workload  # noqa: PLC0415
+    from octopipe.execute.linkprobe import measure_link  # noqa: PLC0415
+    from octopipe.plan.v1 import plan_pb2  # noqa: PLC0415
+    from octopipe.transform import ProfilerConfig, format_profile, profile_layers  # noqa: PLC0415
+
+    if args.out.suffix not in (".binpb", ".pb", ".json"):
+        raise ValueError(f"--out {args.out}: use a .binpb, .pb or .json file")
+    base = workload(args.workload)
+    chosen = replace(base, config=ModelConfig.tiny()) if args.tiny else base
+    if args.sequence:
+        chosen = replace(chosen, sequence=args.sequence)
+    torch.set_num_threads(1)
+    model = chosen.model(seed=0)
+    tokens, targets = chosen.batch(seed=0)
+    size = args.microbatch_size or chosen.microbatch_size
+    links = [measure_link()[0]] if args.link else []
+    reference = plan_pb2.ModelReference(name=chosen.name, source="octopipe.examples:workload")
+    reference.config["sequence"] = str(chosen.sequence)
+    reference.config["tiny"] = str(args.tiny).lower()
+    profile = profile_layers(
+        model,
+        tokens[:size],
+        targets[:size],
+        config=ProfilerConfig(repeats=args.repeats),
+        links=links,
+        model_reference=reference,
+    )
+    save_profile(profile, args.out)
+    if args.json:
+        sys.stdout.write(
+            json.dumps(json_format.MessageToDict(profile, preserving_proto_field_name=True), indent=2) + "\n"
+        )
+    else:
+        sys.stdout.write(format_profile(profile))
+        sys.stdout.write(f"written: {args.out}\n")
+    return 0

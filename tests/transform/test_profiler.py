@@ -1,0 +1,65 @@
+"""The profiler: a Profile that round-trips through the proto, with costs that differ by layer type as the layers do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from google.protobuf import json_format
+
+from octopipe.examples.models import ModelConfig, nemotron_h
+from octopipe.profile.v1 import profile_pb2
+from octopipe.transform import ProfilerConfig, format_profile, profile_layers, storage_bytes
+
+
+@pytest.fixture(scope="module")
+def profile() -> profile_pb2.Profile:
+    torch.manual_seed(0)
+    config = ModelConfig.tiny(hidden=64, vocab=512)
+    model = nemotron_h("M-*E", config)
+    tokens = torch.randint(0, 512, (2, 32))
+    link = profile_pb2.LinkCost(source_rank=0, destination_rank=1, latency_us=90.0, bandwidth_bytes_per_second=3e9)
+    return profile_layers(model, tokens, tokens, config=ProfilerConfig(repeats=3, warmup=1), links=[link])
+
+
+def test_round_trips_through_the_proto(profile: profile_pb2.Profile) -> None:
+    again = profile_pb2.Profile.FromString(profile.SerializeToString())
+    assert again == profile
+    assert json_format.Parse(json_format.MessageToJson(profile), profile_pb2.Profile()) == profile
+    assert [c.layer_name for c in profile.layers] == ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
+    assert [c.layer_type for c in profile.layers] == ["embedding", "mamba2", "relu2", "attention", "moe", "head"]
+    text = format_profile(profile)
+    assert "layers.0" in text and "mamba2" in text and "link 0->1: latency 90.0 us" in text
+
+
+def test_costs_differ_by_layer_type(profile: profile_pb2.Profile) -> None:
+    by_type = {c.layer_type: c for c in profile.layers}
+    mamba, mlp, moe, attention = by_type["mamba2"], by_type["relu2"], by_type["moe"], by_type["attention"]
+
+    def total(c: profile_pb2.LayerCost) -> float:
+        return c.forward_duration_us + c.backward_input_duration_us + c.backward_weight_duration_us
+
+    # a sequential scan over 32 positions costs several times a two-matmul MLP
+    assert total(mamba) > 2 * total(mlp)
+    # bytes are exact, not timed: experts hold more weights than a dense MLP; the scan saves the most activations
+    assert moe.parameter_bytes > mlp.parameter_bytes > 0
+    assert mamba.activation_saved_bytes > max(mlp.activation_saved_bytes, attention.activation_saved_bytes)
+    for cost in profile.layers:
+        assert cost.forward_duration_us > 0 and cost.backward_weight_duration_us > 0
+        assert cost.optimizer_state_bytes == 2 * cost.parameter_bytes
+        assert (
+            cost.activation_freed_by_backward_input_bytes + cost.activation_freed_by_backward_weight_bytes
+            >= cost.activation_saved_bytes
+        )
+    boundary = profile.layers[1].output_tensors[0]
+    assert (
+        list(boundary.shape) == [2, 32, 64] and boundary.dtype == "float32" and boundary.size_bytes == 2 * 32 * 64 * 4
+    )
+    assert not profile.layers[-1].output_tensors  # the head ends in the loss
+
+
+def test_storage_bytes_counts_storages_once() -> None:
+    base = torch.zeros(256)
+    assert storage_bytes([base, base[:10], base.view(16, 16)]) == 1024
+    assert storage_bytes([base, torch.ones(4)], exclude=[base]) == 16
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        ProfilerConfig(repeats=0)
