@@ -23,7 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "execute": {"protos", "examples", "capture", "transform", "simulate", "tune"},
 }
 TORCH_FREE = {"simulate", "tune"}
-PROTO_AREAS = {"plan", "profile", "coordinator", "node"}
+PROTO_AREAS = {"plan", "profile", "estimate", "coordinator", "node"}
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -55,7 +55,7 @@ def test_wheel_contents(wheels: dict[str, Path]) -> None:
         assert "octopipe/__init__.py" not in files, f"{wheel.name} would shadow the namespace"
         assert all(f.startswith(("octopipe/", f"octopipe_{name}-0.1.0.dist-info/")) for f in files), files
         if name == "protos":
-            for area in ("plan", "profile", "node", "coordinator"):
+            for area in ("plan", "profile", "estimate", "node", "coordinator"):
                 for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi", ".proto"):
                     assert f"octopipe/{area}/v1/{area}{suffix}" in files
                 assert f"octopipe/{area}/py.typed" in files
@@ -71,8 +71,9 @@ targets = sys.argv[2:]
 sys.path[:0] = targets
 if sys.argv[1] == "torch-free":
     sys.modules["torch"] = None  # any import of torch now fails
-    modules = ["octopipe.plan.v1.plan_pb2", "octopipe.profile.v1.profile_pb2", "octopipe.node.v1.node_pb2_grpc",
-               "octopipe.coordinator.v1.coordinator_pb2_grpc", "octopipe.simulate", "octopipe.tune"]
+    modules = ["octopipe.plan.v1.plan_pb2", "octopipe.profile.v1.profile_pb2", "octopipe.estimate.v1.estimate_pb2",
+               "octopipe.node.v1.node_pb2_grpc", "octopipe.coordinator.v1.coordinator_pb2_grpc",
+               "octopipe.simulate", "octopipe.tune"]
 else:
     modules = ["octopipe.examples", "octopipe.capture", "octopipe.transform", "octopipe.execute"]
 for name in modules:
@@ -124,6 +125,6 @@ def test_separate_directories_form_one_namespace(wheels: dict[str, Path], tmp_pa
         origins.update(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith("octopipe."))
     for name in ("examples", "capture", "transform", "simulate", "tune", "execute"):
         assert origins[f"octopipe.{name}"].startswith(str(targets[name])), origins
-    for area in ("plan", "profile", "node", "coordinator"):
+    for area in ("plan", "profile", "estimate", "node", "coordinator"):
         assert origins[f"octopipe.{area}"].startswith(str(targets["protos"])), origins
     assert "0F0" in result.stdout  # the CLI ran from the separately installed wheels
