@@ -1,10 +1,23 @@
-"""octopipe.simulate: the Plan IR, and (to come) the DAG simulator and static verifier.
+"""octopipe.simulate: the Plan IR, the DAG simulator and the static plan verifier.
 
 Never imports torch: it reads and writes protos and plain Python data.
+``simulate(plan, profile)`` times one step of a plan and returns a
+:class:`Simulation` (its :class:`Estimate`, timeline and memory);
+``verify_plan(plan)`` rejects a plan that cannot run, naming the rank, step
+and action.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
+from octopipe.simulate.costs import CostModel, Link, OverlapModel, StageCost, durations_from_timelines
+from octopipe.simulate.errors import (
+    ActionCountError,
+    DeadlockError,
+    MemoryCapError,
+    MissingInputError,
+    VerificationError,
+)
+from octopipe.simulate.estimate import Estimate, PathStep, RankEstimate
 from octopipe.simulate.ir import (
     Action,
     ActionKind,
@@ -23,6 +36,9 @@ from octopipe.simulate.ir import (
     save_plan,
     validate_plan,
 )
+from octopipe.simulate.profiles import uniform_profile
+from octopipe.simulate.simulator import ActionTiming, Simulation, SimulationConfig, simulate, verify_plan
+from octopipe.simulate.trace import plot_timeline, to_chrome_trace, write_chrome_trace
 
 try:
     __version__ = version("octopipe-simulate")
@@ -31,11 +47,27 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 __all__ = [
     "Action",
+    "ActionCountError",
     "ActionKind",
+    "ActionTiming",
+    "CostModel",
+    "DeadlockError",
+    "Estimate",
+    "Link",
+    "MemoryCapError",
+    "MissingInputError",
+    "OverlapModel",
+    "PathStep",
     "PlanError",
+    "RankEstimate",
+    "Simulation",
+    "SimulationConfig",
+    "StageCost",
     "StageSpec",
+    "VerificationError",
     "__version__",
     "build_plan",
+    "durations_from_timelines",
     "format_action",
     "format_grid",
     "load_plan",
@@ -44,7 +76,13 @@ __all__ = [
     "plan_from_torch_csv",
     "plan_to_text",
     "plan_to_torch_csv",
+    "plot_timeline",
     "rank_actions",
     "save_plan",
+    "simulate",
+    "to_chrome_trace",
+    "uniform_profile",
     "validate_plan",
+    "verify_plan",
+    "write_chrome_trace",
 ]

@@ -1,0 +1,336 @@
+"""The cost model: what each action of a plan costs in time and memory.
+
+A :class:`CostModel` holds one :class:`StageCost` per stage (the sums of the
+stage's layers' ``LayerCost``), the links between ranks, the OVERLAP_F_B model
+and two tables that feed measurements back in: ``durations_us`` overrides a
+stage's F / I / W / B time by ``(stage, kind)`` (for example the medians of
+measured timelines, see :func:`durations_from_timelines`), and ``fused_us``
+holds measured OVERLAP_F_B times by ``(forward stage, backward stage)``.
+Build one from a Profile with :meth:`CostModel.from_profile`, or directly.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from octopipe.plan.v1 import plan_pb2
+from octopipe.profile.v1 import profile_pb2
+from octopipe.simulate.ir.actions import ActionKind
+
+__all__ = [
+    "CostModel",
+    "Link",
+    "OverlapModel",
+    "StageCost",
+    "durations_from_timelines",
+]
+
+_TIMED_KINDS = (
+    ActionKind.FORWARD,
+    ActionKind.BACKWARD_INPUT,
+    ActionKind.BACKWARD_WEIGHT,
+    ActionKind.FULL_BACKWARD,
+    ActionKind.UNSHARD,
+    ActionKind.REDUCE_GRAD,
+)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class StageCost:
+    """What one stage costs for one micro-batch: the sums over its layers.
+
+    F saves ``activation_bytes``; I frees ``freed_by_backward_input_bytes`` of
+    them and W the rest; a full backward B frees all of them.
+    ``output_bytes`` is the boundary tensor sent to the next stage (the
+    gradient sent back to this stage has the same size).
+    ``unsharded_bytes`` is what UNSHARD holds until RESHARD (None: the
+    parameter bytes).
+    """
+
+    forward_us: float = 0.0
+    backward_input_us: float = 0.0
+    backward_weight_us: float = 0.0
+    full_backward_us: float | None = None
+    activation_bytes: int = 0
+    freed_by_backward_input_bytes: int = 0
+    parameter_bytes: int = 0
+    gradient_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    output_bytes: int = 0
+    unsharded_bytes: int | None = None
+    unshard_us: float = 0.0
+    reduce_grad_us: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("forward_us", "backward_input_us", "backward_weight_us", "unshard_us", "reduce_grad_us"):
+            value = getattr(self, name)
+            if not value >= 0 or math.isinf(value):
+                raise ValueError(f"StageCost.{name} must be a finite time >= 0, got {value}")
+        if self.full_backward_us is not None and not 0 <= self.full_backward_us < math.inf:
+            raise ValueError(f"StageCost.full_backward_us must be a finite time >= 0, got {self.full_backward_us}")
+        if not 0 <= self.freed_by_backward_input_bytes <= self.activation_bytes:
+            raise ValueError(
+                f"StageCost.freed_by_backward_input_bytes ({self.freed_by_backward_input_bytes}) must be between 0 "
+                f"and activation_bytes ({self.activation_bytes}): I frees part of what F saved"
+            )
+        for name in ("activation_bytes", "parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "output_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"StageCost.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def static_bytes(self) -> int:
+        """Parameters, gradients and optimizer state: held for the whole step."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
+
+    def duration_us(self, kind: ActionKind) -> float:
+        """The time of one action of ``kind`` on this stage (0 for untimed kinds)."""
+        if kind is ActionKind.FORWARD:
+            return self.forward_us
+        if kind is ActionKind.BACKWARD_INPUT:
+            return self.backward_input_us
+        if kind is ActionKind.BACKWARD_WEIGHT:
+            return self.backward_weight_us
+        if kind is ActionKind.FULL_BACKWARD:
+            if self.full_backward_us is None:
+                return self.backward_input_us + self.backward_weight_us
+            return self.full_backward_us
+        if kind is ActionKind.UNSHARD:
+            return self.unshard_us
+        if kind is ActionKind.REDUCE_GRAD:
+            return self.reduce_grad_us
+        return 0.0
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Link:
+    """A one-way link: a transfer of n bytes takes latency + n / bandwidth."""
+
+    latency_us: float = 0.0
+    bandwidth_bytes_per_second: float = math.inf
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.latency_us < math.inf:
+            raise ValueError(f"Link.latency_us must be a finite time >= 0, got {self.latency_us}")
+        if not self.bandwidth_bytes_per_second > 0:
+            raise ValueError(
+                f"Link.bandwidth_bytes_per_second must be > 0 (math.inf for free transfers), "
+                f"got {self.bandwidth_bytes_per_second}"
+            )
+
+    def transfer_us(self, num_bytes: int) -> float:
+        """Microseconds to move ``num_bytes`` over this link."""
+        if num_bytes == 0:
+            return self.latency_us
+        return self.latency_us + num_bytes / self.bandwidth_bytes_per_second * 1e6
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class OverlapModel:
+    """How long an OVERLAP_F_B unit of a forward f and a backward b takes.
+
+    With ``use_measured`` a measured fused time (``CostModel.fused_us``, from the
+    Profile's FusedCost) wins. Otherwise ``max(f, b) + (1 - hidden_fraction) *
+    min(f, b)``: ``hidden_fraction=1`` is the lower bound max(f, b) (perfect
+    overlap, the default), ``0`` the upper bound f + b (no overlap).
+    """
+
+    use_measured: bool = True
+    hidden_fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.hidden_fraction <= 1.0:
+            raise ValueError(f"OverlapModel.hidden_fraction must be in [0, 1], got {self.hidden_fraction}")
+
+    def duration_us(self, forward_us: float, backward_us: float, measured_us: float | None = None) -> float:
+        """The unit's duration."""
+        if self.use_measured and measured_us is not None:
+            return measured_us
+        longer, shorter = max(forward_us, backward_us), min(forward_us, backward_us)
+        if self.hidden_fraction == 1.0:
+            return longer
+        return longer + (1.0 - self.hidden_fraction) * shorter
+
+
+@dataclass(kw_only=True, frozen=True)
+class CostModel:
+    """Per-stage costs, links and overlap model: everything the simulator times.
+
+    ``links`` maps (source rank, destination rank) to a :class:`Link`; pairs
+    that are missing use ``default_link``, and a plan that needs a missing pair
+    with no default is rejected. ``durations_us`` maps ``(stage, kind)`` to a
+    measured duration that replaces the stage cost's (kinds F, I, W, B, UNSHARD,
+    REDUCE_GRAD). ``fused_us`` maps ``(forward stage, backward stage)`` to a
+    measured OVERLAP_F_B duration.
+    """
+
+    stages: tuple[StageCost, ...]
+    links: Mapping[tuple[int, int], Link] = field(default_factory=dict)
+    default_link: Link | None = None
+    overlap: OverlapModel = field(default_factory=OverlapModel)
+    durations_us: Mapping[tuple[int, ActionKind], float] = field(default_factory=dict)
+    fused_us: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    microbatch_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise ValueError("CostModel.stages is empty: give one StageCost per stage of the plan")
+        if self.microbatch_size < 1:
+            raise ValueError(f"CostModel.microbatch_size must be >= 1, got {self.microbatch_size}")
+        for (stage, kind), value in self.durations_us.items():
+            if kind not in _TIMED_KINDS:
+                raise ValueError(
+                    f"durations_us[({stage}, {kind})]: only F, I, W, B, UNSHARD and REDUCE_GRAD have "
+                    "durations of their own (communication is timed by links, OVERLAP_F_B by fused_us)"
+                )
+            if not 0 <= value < math.inf:
+                raise ValueError(f"durations_us[({stage}, {kind.name})] must be a finite time >= 0, got {value}")
+
+    @classmethod
+    def uniform(
+        cls, *, num_stages: int, stage: StageCost, link: Link | None = None, microbatch_size: int = 1
+    ) -> CostModel:
+        """Every stage costs ``stage``; every pair of ranks is joined by ``link`` (default: free)."""
+        if num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+        return cls(stages=(stage,) * num_stages, default_link=link or Link(), microbatch_size=microbatch_size)
+
+    @classmethod
+    def from_profile(
+        cls,
+        plan: plan_pb2.Plan,
+        profile: profile_pb2.Profile,
+        *,
+        default_link: Link | None = None,
+        overlap: OverlapModel | None = None,
+        durations_us: Mapping[tuple[int, ActionKind], float] | None = None,
+        collective_bandwidth_bytes_per_second: float | None = None,
+    ) -> CostModel:
+        """Sum each stage's layers' LayerCost; take links and fused times from the Profile.
+
+        ``collective_bandwidth_bytes_per_second`` times UNSHARD (parameter bytes)
+        and REDUCE_GRAD (gradient bytes); without it collectives take no time.
+        """
+        layers = {layer.layer_name: layer for layer in profile.layers}
+        stage_layers = [tuple(stage.layer_names) for stage in plan.stages]
+        costs = [
+            _stage_cost(index, names, layers, collective_bandwidth_bytes_per_second)
+            for index, names in enumerate(stage_layers)
+        ]
+        links = {}
+        for message in profile.links:
+            key = (message.source_rank, message.destination_rank)
+            try:
+                links[key] = Link(
+                    latency_us=message.latency_us, bandwidth_bytes_per_second=message.bandwidth_bytes_per_second
+                )
+            except ValueError as exc:
+                raise ValueError(f"profile link {key[0]}->{key[1]}: {exc}") from None
+        by_names = {names: index for index, names in enumerate(stage_layers)}
+        fused: dict[tuple[int, int], float] = {}
+        for measured in profile.fused:
+            forward = by_names.get(tuple(measured.forward_layer_names))
+            backward = by_names.get(tuple(measured.backward_layer_names))
+            if forward is not None and backward is not None:
+                fused[(forward, backward)] = measured.duration_us
+        return cls(
+            stages=tuple(costs),
+            links=links,
+            default_link=default_link,
+            overlap=overlap or OverlapModel(),
+            durations_us=dict(durations_us or {}),
+            fused_us=fused,
+            microbatch_size=max(1, profile.microbatch_size),
+        )
+
+    def link(self, source: int, destination: int) -> Link:
+        """The link from ``source`` to ``destination``."""
+        found = self.links.get((source, destination), self.default_link)
+        if found is None:
+            raise ValueError(
+                f"no link cost from rank {source} to rank {destination}: add a LinkCost to the profile "
+                "or pass default_link=Link(...) to the cost model"
+            )
+        return found
+
+    def duration_us(self, stage: int, kind: ActionKind) -> float:
+        """The time of one ``kind`` action on ``stage``: a measured override, else the stage cost."""
+        override = self.durations_us.get((stage, kind))
+        if override is not None:
+            return override
+        return self.stages[stage].duration_us(kind)
+
+    def overlap_us(self, forward_stage: int, backward_stage: int, backward_kind: ActionKind) -> float:
+        """The time of an OVERLAP_F_B unit of F on ``forward_stage`` and I or B on ``backward_stage``."""
+        return self.overlap.duration_us(
+            self.duration_us(forward_stage, ActionKind.FORWARD),
+            self.duration_us(backward_stage, backward_kind),
+            self.fused_us.get((forward_stage, backward_stage)),
+        )
+
+
+def _stage_cost(
+    index: int,
+    names: tuple[str, ...],
+    layers: Mapping[str, profile_pb2.LayerCost],
+    collective_bandwidth: float | None,
+) -> StageCost:
+    if not names:
+        raise ValueError(
+            f"stage {index} has no layer names, so its cost cannot be looked up in the profile "
+            "(plans imported from torch CSV have none): name the stage's layers in the plan, "
+            "or build the CostModel from StageCost values (e.g. CostModel.uniform)"
+        )
+    missing = [name for name in names if name not in layers]
+    if missing:
+        raise ValueError(f"stage {index}: layers {missing} are not in the profile: profile them or fix the plan")
+    costs = [layers[name] for name in names]
+    saved = sum(c.activation_saved_bytes for c in costs)
+    params = sum(c.parameter_bytes for c in costs)
+    grads = sum(c.gradient_bytes for c in costs)
+    bandwidth = collective_bandwidth
+    if bandwidth is not None and not bandwidth > 0:
+        raise ValueError(f"collective_bandwidth_bytes_per_second must be > 0, got {bandwidth}")
+    try:
+        return StageCost(
+            forward_us=sum(c.forward_duration_us for c in costs),
+            backward_input_us=sum(c.backward_input_duration_us for c in costs),
+            backward_weight_us=sum(c.backward_weight_duration_us for c in costs),
+            full_backward_us=sum(
+                c.full_backward_duration_us
+                if c.HasField("full_backward_duration_us")
+                else c.backward_input_duration_us + c.backward_weight_duration_us
+                for c in costs
+            ),
+            activation_bytes=saved,
+            freed_by_backward_input_bytes=sum(c.activation_freed_by_backward_input_bytes for c in costs),
+            parameter_bytes=params,
+            gradient_bytes=grads,
+            optimizer_state_bytes=sum(c.optimizer_state_bytes for c in costs),
+            output_bytes=sum(t.size_bytes for t in costs[-1].output_tensors),
+            unshard_us=0.0 if bandwidth is None else params / bandwidth * 1e6,
+            reduce_grad_us=0.0 if bandwidth is None else grads / bandwidth * 1e6,
+        )
+    except ValueError as exc:
+        raise ValueError(f"stage {index} (layers {list(names)}): {exc}") from None
+
+
+def durations_from_timelines(
+    timelines: Iterable[profile_pb2.RankTimeline],
+) -> dict[tuple[int, ActionKind], float]:
+    """Median measured duration per ``(stage, kind)`` for F, I, W, B, UNSHARD and REDUCE_GRAD.
+
+    Feed the result to ``CostModel.from_profile(..., durations_us=...)`` (or
+    ``dataclasses.replace(model, durations_us=...)``) to simulate with measured
+    times instead of profiled layer sums.
+    """
+    samples: dict[tuple[int, ActionKind], list[float]] = {}
+    timed = {kind.proto for kind in _TIMED_KINDS}
+    for timeline in timelines:
+        for record in timeline.records:
+            if record.action.kind in timed:
+                key = (record.action.stage_index, ActionKind.from_proto(record.action.kind))
+                samples.setdefault(key, []).append(record.end_us - record.start_us)
+    return {key: statistics.median(values) for key, values in samples.items()}

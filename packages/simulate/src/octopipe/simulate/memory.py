@@ -1,0 +1,111 @@
+"""Memory per rank over the step: static bytes, activations, unsharded parameters, p2p buffers.
+
+Accounting. Static bytes (parameters, gradients, optimizer state of the
+rank's stages) are held all step. F allocates its saved activations when it
+starts; I frees its share when it ends and W the rest; B frees all. UNSHARD
+holds the stage's unsharded parameters from its start until RESHARD (or the
+end of the step). A send holds its boundary tensor from when it is posted until
+the transfer ends; a receive holds its buffer from when it is posted until the
+step that consumes it ends. At equal times frees come before allocations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from octopipe.simulate.bind import Bound
+from octopipe.simulate.engine import Timing
+from octopipe.simulate.program import SEND_B, SEND_F, Program
+
+__all__ = ["MemoryUse", "memory_events", "memory_use"]
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class MemoryUse:
+    """One rank's memory: peaks, and when the total first goes over ``cap_bytes``."""
+
+    static_bytes: int
+    peak_activation_bytes: int
+    peak_bytes: int
+    peak_time_us: float
+    peak_step: int
+    over_cap_time_us: float | None = None
+    over_cap_step: int | None = None
+
+
+def memory_events(program: Program, timing: Timing, bound: Bound, rank: int) -> list[tuple[float, int, int]]:
+    """Every change of the rank's memory as (time, bytes, step), sorted (frees first at equal times)."""
+    events: list[tuple[float, int, int]] = []
+    append = events.append
+    starts, ends = timing.starts[rank], timing.ends[rank]
+    allocs, frees, unsharded = bound.allocs[rank], bound.frees[rank], bound.unsharded[rank]
+    for step, size in enumerate(allocs):
+        if size:
+            append((starts[step], size, step))
+    for step, size in enumerate(frees):
+        if size:
+            append((ends[step], -size, step))
+    for step, size in enumerate(unsharded):
+        if size:
+            append((starts[step], size, step))
+    codes, sizes, consumer = program.codes[rank], bound.transfer_bytes, program.consumer
+    for step, transfer in enumerate(program.transfer_of[rank]):
+        if transfer < 0 or not sizes[transfer]:
+            continue
+        size = sizes[transfer]
+        if codes[step] == SEND_F or codes[step] == SEND_B:
+            append((timing.posted_send[transfer], size, step))
+            append((timing.transfer_end[transfer], -size, step))
+        else:
+            append((timing.posted_recv[transfer], size, step))
+            append((ends[consumer[transfer]], -size, consumer[transfer]))
+    events.sort()
+    return events
+
+
+def memory_use(program: Program, timing: Timing, bound: Bound, rank: int, cap_bytes: int | None) -> MemoryUse:
+    """Peaks of one rank (activations alone, and everything), and the first time over the cap."""
+    starts = timing.starts[rank]
+    allocs, frees = bound.allocs[rank], bound.frees[rank]
+    live = peak_activation = 0
+    activation_time, activation_step = 0.0, 0
+    for step in range(len(starts)):
+        size = allocs[step]
+        if size:
+            live += size
+            if live > peak_activation:
+                peak_activation, activation_time, activation_step = live, starts[step], step
+        live -= frees[step]
+    static = bound.static_bytes[rank]
+    simple = not any(bound.unsharded[rank]) and not any(
+        transfer >= 0 and bound.transfer_bytes[transfer] for transfer in program.transfer_of[rank]
+    )
+    if simple and (cap_bytes is None or static + peak_activation <= cap_bytes):
+        return MemoryUse(
+            static_bytes=static,
+            peak_activation_bytes=peak_activation,
+            peak_bytes=static + peak_activation,
+            peak_time_us=activation_time,
+            peak_step=activation_step,
+        )
+    total = peak = static
+    peak_time, peak_step = 0.0, 0
+    over_time: float | None = None
+    over_step: int | None = None
+    if cap_bytes is not None and static > cap_bytes:
+        over_time, over_step = 0.0, 0
+    for time, delta, step in memory_events(program, timing, bound, rank):
+        total += delta
+        if total > peak:
+            peak, peak_time, peak_step = total, time, step
+        if over_time is None and cap_bytes is not None and total > cap_bytes:
+            over_time, over_step = time, step
+    return MemoryUse(
+        static_bytes=static,
+        peak_activation_bytes=peak_activation,
+        peak_bytes=peak,
+        peak_time_us=peak_time,
+        peak_step=peak_step,
+        over_cap_time_us=over_time,
+        over_cap_step=over_step,
+    )
