@@ -1,4 +1,4 @@
-"""GPipe and 1F1B against their closed forms (shared/facts.md)."""
+"""The schedule generators: structure, closed forms (shared/facts.md), and torch's own orders."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 
+from octopipe.simulate import verify_plan
 from octopipe.simulate.ir import Action, ActionKind, rank_actions
-from octopipe.tune import gpipe, one_f_one_b
+from octopipe.tune import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 
 GRID = [(p, m) for p, m in itertools.product([1, 2, 3, 4, 8], [1, 2, 3, 4, 8, 16])]
 
@@ -86,3 +87,90 @@ def test_bad_arguments_say_what_to_change() -> None:
         gpipe(2, 0)
     with pytest.raises(ValueError, match="one stage per rank"):
         one_f_one_b(2, 4, layer_names=[["a"]])
+
+
+# --- interleaved 1F1B and ZB-H1 ---
+
+INTERLEAVED_GRID = [(p, v, m) for p, v, m in itertools.product([1, 2, 3, 4], [1, 2, 3], [1, 2, 3, 4, 6, 8, 12])]
+
+
+def computations(plan) -> dict[int, list[str]]:  # type: ignore[no-untyped-def]
+    return {r: [str(a) for a in acts if a.kind.is_compute] for r, acts in rank_actions(plan).items()}
+
+
+@pytest.mark.parametrize(("p", "v", "m"), INTERLEAVED_GRID)
+def test_interleaved_runs_every_chunk_once_and_verifies(p: int, v: int, m: int) -> None:
+    rounds = max(1, m // p)
+    if m % rounds:
+        with pytest.raises(ValueError, match="must be a multiple of"):
+            interleaved_1f1b(p, v, m)
+        return
+    plan = interleaved_1f1b(p, v, m)
+    assert len(plan.stages) == p * v
+    assert [s.rank for s in plan.stages] == [s % p for s in range(p * v)]
+    for rank, acts in computations(plan).items():
+        stages = range(rank, p * v, p)
+        assert sorted(acts) == sorted(f"{s}{k}{mb}" for s in stages for k in "FB" for mb in range(m))
+    verify_plan(plan)  # every input exists before it is used, sends and receives pair up, no deadlock
+
+
+@pytest.mark.parametrize(("p", "m"), GRID)
+def test_zb_h1_splits_every_backward_and_verifies(p: int, m: int) -> None:
+    plan = zb_h1(p, m)
+    for rank, acts in computations(plan).items():
+        assert sorted(acts) == sorted(f"{rank}{k}{mb}" for k in "FIW" for mb in range(m))
+        for mb in range(m):  # F, then I, then W
+            assert acts.index(f"{rank}F{mb}") < acts.index(f"{rank}I{mb}") < acts.index(f"{rank}W{mb}")
+    verify_plan(plan)
+
+
+def test_zb_h1_order_on_four_ranks() -> None:
+    compute = {r: " ".join(acts) for r, acts in computations(zb_h1(4, 6)).items()}
+    assert compute[0] == "0F0 0F1 0F2 0F3 0I0 0W0 0F4 0I1 0W1 0F5 0I2 0W2 0I3 0W3 0I4 0W4 0I5 0W5"
+    # the last rank defers p-1 = 3 weight gradients, then catches up at the end
+    assert compute[3] == "3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0 3F4 3I4 3W1 3F5 3I5 3W2 3W3 3W4 3W5"
+
+
+def torch_orders(schedule_class, p: int, v: int, m: int) -> dict[int, list[str]]:  # type: ignore[no-untyped-def]
+    """torch's own compute order, from its schedule classes with stand-in stages (no process group)."""
+    orders = {}
+    for rank in range(p):
+        stages = [TorchStage(rank + c * p, p * v, rank, p) for c in range(v)]
+        schedule = schedule_class(stages, m)
+        orders[rank] = [str(a) for a in schedule.pipeline_order[rank] if a is not None]
+    return orders
+
+
+class TorchStage:
+    """Just what torch's schedule classes read from a stage to compute their order."""
+
+    def __init__(self, index: int, num_stages: int, rank: int, size: int) -> None:
+        self.stage_index, self.num_stages, self.group_rank, self.group_size = index, num_stages, rank, size
+        self.submod = None
+        self.stage_index_to_group_rank: dict[int, int] = {}
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 4), (4, 2, 8), (4, 3, 4), (3, 2, 9), (4, 4, 16), (4, 2, 6), (2, 1, 8)])
+def test_interleaved_matches_torch(p: int, v: int, m: int) -> None:
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    assert computations(interleaved_1f1b(p, v, m)) == torch_orders(schedules.ScheduleInterleaved1F1B, p, v, m)
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 8), (4, 4), (4, 8), (4, 3), (8, 16)])
+def test_zb_h1_matches_torch_zb1p(p: int, m: int) -> None:
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    assert computations(zb_h1(p, m)) == torch_orders(schedules.ScheduleInterleavedZeroBubble, p, 1, m)
+
+
+def test_new_generators_say_what_to_change() -> None:
+    with pytest.raises(ValueError, match="num_chunks must be >= 1"):
+        interleaved_1f1b(2, 0, 4)
+    with pytest.raises(ValueError, match="needs 4"):
+        interleaved_1f1b(2, 2, 4, layer_names=[["a"], ["b"]])
+    with pytest.raises(ValueError, match="num_ranks must be >= 1"):
+        zb_h1(0, 4)
+    plan = interleaved_1f1b(2, 2, 2, layer_names=[["a"], ["b"], ["c"], ["d"]])
+    assert [list(s.layer_names) for s in plan.stages] == [["a"], ["b"], ["c"], ["d"]]
+    assert plan.name == "interleaved-1f1b-p2-v2-m2"
+    assert plan.labels["schedule"] == "interleaved-1f1b"

@@ -2,7 +2,10 @@
 
 A schedule is data, never control flow: each generator returns a Plan whose
 rank programs the one simulator scores and the one runtime interprets.
-This is the start of the library (GPipe and 1F1B); the rest follow.
+This is the start of the library (GPipe, 1F1B, interleaved 1F1B, ZB-H1);
+the rest follow. Interleaved 1F1B and ZB-H1 order their actions exactly as
+torch.distributed.pipelining's ScheduleInterleaved1F1B and
+ScheduleInterleavedZeroBubble (one stage per rank) do.
 """
 
 from __future__ import annotations
@@ -12,17 +15,26 @@ from collections.abc import Sequence
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate.ir import Action, ActionKind, StageSpec, add_p2p_actions, build_plan
 
-__all__ = ["gpipe", "one_f_one_b"]
+__all__ = ["gpipe", "interleaved_1f1b", "one_f_one_b", "zb_h1"]
 
 
-def _check(num_ranks: int, num_microbatches: int, layer_names: Sequence[Sequence[str]] | None) -> None:
+def _check(
+    num_ranks: int, num_microbatches: int, layer_names: Sequence[Sequence[str]] | None, num_chunks: int = 1
+) -> None:
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    if layer_names is not None and len(layer_names) != num_ranks:
+    if layer_names is not None and len(layer_names) != num_ranks * num_chunks:
+        if num_chunks == 1:
+            raise ValueError(
+                f"layer_names has {len(layer_names)} stages; these schedules need one stage per rank ({num_ranks})"
+            )
         raise ValueError(
-            f"layer_names has {len(layer_names)} stages; these schedules need one stage per rank ({num_ranks})"
+            f"layer_names has {len(layer_names)} stages; interleaving {num_chunks} chunks on {num_ranks} ranks "
+            f"needs {num_ranks * num_chunks}"
         )
 
 
@@ -32,15 +44,23 @@ def _plan(
     num_ranks: int,
     num_microbatches: int,
     layer_names: Sequence[Sequence[str]] | None,
+    *,
+    num_chunks: int = 1,
+    labels: dict[str, str] | None = None,
 ) -> plan_pb2.Plan:
-    placement = {s: s for s in range(num_ranks)}
-    stages = [StageSpec(rank=s, layer_names=tuple(layer_names[s]) if layer_names else ()) for s in range(num_ranks)]
+    num_stages = num_ranks * num_chunks
+    placement = {s: s % num_ranks for s in range(num_stages)}
+    stages = [
+        StageSpec(rank=placement[s], layer_names=tuple(layer_names[s]) if layer_names else ())
+        for s in range(num_stages)
+    ]
+    chunks = f"-v{num_chunks}" if num_chunks > 1 else ""
     return build_plan(
         stages=stages,
         actions=add_p2p_actions(compute, placement),
         num_microbatches=num_microbatches,
-        name=f"{name}-p{num_ranks}-m{num_microbatches}",
-        labels={"schedule": name},
+        name=f"{name}-p{num_ranks}{chunks}-m{num_microbatches}",
+        labels={"schedule": name, **(labels or {})},
     )
 
 
@@ -74,3 +94,88 @@ def one_f_one_b(
         )
         compute[r] = program
     return _plan("1f1b", compute, num_ranks, num_microbatches, layer_names)
+
+
+def interleaved_1f1b(
+    num_ranks: int,
+    num_chunks: int,
+    num_microbatches: int,
+    *,
+    layer_names: Sequence[Sequence[str]] | None = None,
+) -> plan_pb2.Plan:
+    """Interleaved 1F1B (Megatron-LM's; torch's ScheduleInterleaved1F1B): v chunks per rank.
+
+    Stage c*p + r runs on rank r. Micro-batches go in rounds of
+    ``m // max(1, m // p)`` (p when m is a multiple of p); rank r warms up with
+    ``(v-1)*round + 2*(p-1-r)`` forwards (at most m*v), then alternates F and B,
+    forwards cycling through its chunks in order and backwards in reverse.
+    """
+    p, v, m = num_ranks, num_chunks, num_microbatches
+    _check(p, m, layer_names, v)
+    rounds = max(1, m // p)
+    if m % rounds:
+        raise ValueError(
+            f"interleaved 1F1B runs micro-batches in {rounds} equal rounds, so num_microbatches ({m}) must be "
+            f"a multiple of {rounds}: use a multiple of num_ranks ({p}) or at most {p}"
+        )
+    per_round = m // rounds
+    compute: dict[int, list[Action]] = {}
+    for r in range(p):
+        warmup = min((v - 1) * per_round + 2 * (p - 1 - r), m * v)
+        forwards = [(k // per_round) % v * p + r for k in range(m * v)]
+        backwards = [(v - 1 - (k // per_round) % v) * p + r for k in range(m * v)]
+        compute[r] = _one_f_one_b_order(forwards, backwards, warmup)
+    return _plan("interleaved-1f1b", compute, p, m, layer_names, num_chunks=v)
+
+
+def zb_h1(
+    num_ranks: int, num_microbatches: int, *, layer_names: Sequence[Sequence[str]] | None = None
+) -> plan_pb2.Plan:
+    """ZB-H1 (Zero Bubble, Qi et al. 2024; torch's ZB1P with one stage per rank).
+
+    Backwards are split into I (input gradient) and W (weight gradient). Rank r
+    warms up with min(p-r-1, m) forwards like 1F1B, then runs F, I pairs, and
+    from its (r+1)-th pair on follows each with the oldest pending W; the W's
+    left over run last. In-flight activations never exceed 1F1B's peak (p
+    micro-batches, on rank 0).
+    """
+    p, m = num_ranks, num_microbatches
+    _check(p, m, layer_names)
+    compute: dict[int, list[Action]] = {}
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        program = [Action(ActionKind.FORWARD, r, mb) for mb in range(warmup)]
+        weights = 0
+        for k in range(m):  # the k-th input backward, with the forward it pairs with
+            if warmup + k < m:
+                program.append(Action(ActionKind.FORWARD, r, warmup + k))
+            program.append(Action(ActionKind.BACKWARD_INPUT, r, k))
+            if k >= r:
+                program.append(Action(ActionKind.BACKWARD_WEIGHT, r, weights))
+                weights += 1
+        program.extend(Action(ActionKind.BACKWARD_WEIGHT, r, mb) for mb in range(weights, m))
+        compute[r] = program
+    return _plan("zb-h1", compute, p, m, layer_names)
+
+
+def _one_f_one_b_order(forwards: list[int], backwards: list[int], warmup: int) -> list[Action]:
+    """Warm-up forwards, then F/B pairs, then the remaining backwards; micro-batches count up per stage."""
+    next_forward: dict[int, int] = {}
+    next_backward: dict[int, int] = {}
+
+    def forward(k: int) -> Action:
+        stage = forwards[k]
+        next_forward[stage] = next_forward.get(stage, -1) + 1
+        return Action(ActionKind.FORWARD, stage, next_forward[stage])
+
+    def backward(k: int) -> Action:
+        stage = backwards[k]
+        next_backward[stage] = next_backward.get(stage, -1) + 1
+        return Action(ActionKind.FULL_BACKWARD, stage, next_backward[stage])
+
+    program = [forward(k) for k in range(warmup)]
+    for k in range(len(forwards) - warmup):
+        program.append(forward(warmup + k))
+        program.append(backward(k))
+    program.extend(backward(k) for k in range(len(forwards) - warmup, len(backwards)))
+    return program
