@@ -42,24 +42,30 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def bench_block(name: str, *, repeats: int, warmup: int, sequence: int, batch: int) -> dict[str, object]:
+def bench_block(
+    name: str, *, repeats: int, warmup: int, sequence: int, batch: int, device: str = "cpu", dtype: str = "float32"
+) -> dict[str, object]:
     config = ModelConfig()
     torch.manual_seed(0)
-    model = DecoderLM([BLOCKS[name]], config)
+    kind = getattr(torch, dtype)
+    model = DecoderLM([BLOCKS[name]], config).to(device=device, dtype=kind)
     spec = pipeline_spec(model)
     layer = spec.layers[1]
     stage = StageModule(model, [layer], stage_index=1, num_stages=3, loss=None)
-    x = torch.randn(batch, sequence, config.hidden)
+    x = torch.randn(batch, sequence, config.hidden, device=device, dtype=kind)
     exe = StageExecutable.from_module(stage, capture_stage(stage, [x], stage_index=1))
-    grad = torch.randn(batch, sequence, config.hidden)
+    grad = torch.randn(batch, sequence, config.hidden, device=device, dtype=kind)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     params = list(stage.parameters())
     times: dict[str, list[float]] = {
         k: [] for k in ("ours_fused", "ours_b", "ours_w", "torch_fused", "torch_i", "torch_w")
     }
 
     def timed(key: str, fn: Callable[..., Any], *args: Any) -> Any:
+        sync()
         start = time.perf_counter_ns()
         result = fn(*args)
+        sync()
         times[key].append((time.perf_counter_ns() - start) / 1e6)
         return result
 
@@ -118,6 +124,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--sequence", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--blocks", nargs="+", default=list(BLOCKS), choices=list(BLOCKS))
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "split_overhead.json")
     args = parser.parse_args()

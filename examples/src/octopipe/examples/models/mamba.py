@@ -57,8 +57,11 @@ class Mamba(nn.Module):
         drive = (dt * u).unsqueeze(-1) * b.unsqueeze(-2)  # [B, S, inner, N]
         state = x.new_zeros(batch, self.inner, self.d_state)
         outputs = []
-        for t in range(seq):
-            state = decay[:, t] * state + drive[:, t]
-            outputs.append((state * c[:, t].unsqueeze(-2)).sum(dim=-1))
+        # unbind once: its backward is one stack, where indexing [:, t] per step would
+        # materialise a full-size gradient per step (quadratic memory traffic)
+        readout = c.unsqueeze(-2).unbind(1)
+        for decay_t, drive_t, readout_t in zip(decay.unbind(1), drive.unbind(1), readout, strict=True):
+            state = decay_t * state + drive_t
+            outputs.append((state * readout_t).sum(dim=-1))
         y = torch.stack(outputs, dim=1) + u * self.d
         return self.out_proj(y * F.silu(z))
