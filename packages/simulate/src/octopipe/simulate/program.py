@@ -360,49 +360,77 @@ class _Compiler:
         previous = [-1] * len(self.receiver)
         labels, transfer_of = self.labels, self.transfer_of
         for (source, destination), (sends, recvs) in sorted(self.channels.items()):
-            if len(sends) != len(recvs):
-                index = min(len(sends), len(recvs))
-                if index >= len(sends):
-                    self.deadlock(
-                        destination, recvs[index], f"waits for a send from rank {source} that never comes: add it"
-                    )
-                self.deadlock(source, sends[index], f"rank {destination} never posts the matching receive: add it")
             source_labels, destination_labels = labels[source], labels[destination]
             source_tid, destination_tid = transfer_of[source], transfer_of[destination]
             before = -1
-            for send_step, recv_step in zip(sends, recvs, strict=True):
+            for send_step, recv_step in zip(sends, recvs, strict=False):
                 send, recv = source_labels[send_step], destination_labels[recv_step]
                 if send[0] == SEND_F:
                     matched = recv[0] == RECV_F and recv[1] == send[1] + 1 and recv[2] == send[2]
                 else:
                     matched = recv[0] == RECV_B and recv[1] == send[1] - 1 and recv[2] == send[2]
                 if not matched:
-                    self.out_of_order(source, send_step, destination, recv_step)
+                    self.mismatch(source, destination, send_step, recv_step)
                 transfer = destination_tid[recv_step]
                 sender[transfer] = (source, send_step)
                 source_tid[send_step] = transfer
                 previous[transfer] = before
                 before = transfer
+            if len(recvs) > len(sends):
+                self.unmatched_recv(source, destination, recvs[len(sends)])
+            if len(sends) > len(recvs):
+                self.unmatched_send(source, destination, sends[len(recvs)])
         for transfer, step in enumerate(self.consumer):
             if step < 0:
                 rank, recv_step = self.receiver[transfer]
                 self.deadlock(rank, recv_step, "nothing on this rank uses what it receives: remove it")
         return sender, previous
 
-    def out_of_order(self, source: int, send_step: int, destination: int, recv_step: int) -> NoReturn:
+    def mismatch(self, source: int, destination: int, send_step: int, recv_step: int) -> NoReturn:
+        """Explain why the k-th send and the k-th receive of a channel do not belong together."""
+        sends, recvs = self.channels[(source, destination)]
+        sent = {_matching_recv(self.labels[source][s]) for s in sends}
+        posted = {self.labels[destination][r] for r in recvs}
+        if self.labels[destination][recv_step] not in sent:
+            self.unmatched_recv(source, destination, recv_step)
+        if _matching_recv(self.labels[source][send_step]) not in posted:
+            self.unmatched_send(source, destination, send_step)
         send = self.labels[source][send_step]
-        kind = RECV_F if send[0] == SEND_F else RECV_B
-        expected = (kind, send[1] + 1 if kind == RECV_F else send[1] - 1, send[2])
         self.deadlock(
             destination,
             recv_step,
             f"receives from rank {source} are matched in order, so this receive meets {label_text(send)} "
-            f"(rank {source}, step {send_step}), which only {label_text(expected)} can take: post the receives "
-            f"from rank {source} in the order that rank sends",
+            f"(rank {source}, step {send_step}), which only {label_text(_matching_recv(send))} can take: post the "
+            f"receives from rank {source} in the order that rank sends",
+        )
+
+    def unmatched_recv(self, source: int, destination: int, recv_step: int) -> NoReturn:
+        recv = self.labels[destination][recv_step]
+        send = (SEND_F, recv[1] - 1, recv[2]) if recv[0] == RECV_F else (SEND_B, recv[1] + 1, recv[2])
+        self.deadlock(
+            destination,
+            recv_step,
+            f"waits for a send that never comes: rank {source} has no {label_text(send)}; add it after the "
+            "computation that produces the data",
+        )
+
+    def unmatched_send(self, source: int, destination: int, send_step: int) -> NoReturn:
+        expected = _matching_recv(self.labels[source][send_step])
+        self.deadlock(
+            source,
+            send_step,
+            f"rank {destination} never posts the matching {label_text(expected)}: add it before the step that "
+            "uses the data",
         )
 
     def deadlock(self, rank: int, step: int, problem: str) -> NoReturn:
         raise DeadlockError(self.plan, rank, step, label_text(self.labels[rank][step]), problem)
+
+
+def _matching_recv(send: Label) -> Label:
+    if send[0] == SEND_F:
+        return (RECV_F, send[1] + 1, send[2])
+    return (RECV_B, send[1] - 1, send[2])
 
 
 def compile_plan(plan: plan_pb2.Plan) -> Program:

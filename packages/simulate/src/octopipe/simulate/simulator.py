@@ -197,7 +197,7 @@ def _finish(
             )
         )
     samples = program.num_microbatches * bound.microbatch_size
-    per_second = samples / (step_time * 1e-6) if step_time > 0 else math.inf
+    per_second = samples * 1e6 / step_time if step_time > 0 else math.inf
     path = critical_path(program, timing) if config.critical_path else []
     total_idle = sum(r.idle_us for r in ranks)
     estimate = Estimate(
