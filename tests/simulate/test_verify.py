@@ -308,3 +308,16 @@ def test_verify_runs_structural_validation_first() -> None:
         verify_plan(plan)
     with pytest.raises(PlanError, match="stage 1 is placed on rank 1"):
         simulate(plan, CostModel.uniform(num_stages=2, stage=StageCost()))
+
+
+def test_malformed_actions_are_reported_by_validate_plan() -> None:
+    costs = CostModel.uniform(num_stages=2, stage=StageCost())
+    for mutate, says in [
+        (lambda p: setattr(p.ranks[0].actions[0], "kind", plan_pb2.ACTION_KIND_UNSPECIFIED), "not a valid ActionKind"),
+        (lambda p: setattr(p.ranks[1].actions[1], "microbatch_index", 7), "micro-batch 7 is out of range"),
+        (lambda p: setattr(p.ranks[1].actions[1], "stage_index", 9), "stage 9 does not exist"),
+    ]:
+        plan = one_f_one_b(2, 2)
+        mutate(plan)
+        with pytest.raises(PlanError, match=says):
+            simulate(plan, costs)

@@ -221,29 +221,14 @@ def _check_rank(c: _Compiler, rank: int) -> dict[Label, int]:
 
     for step, label in enumerate(row):
         kind = label[0]
-        if kind == OVERLAP:
-            forward, backward = (F, label[1], label[2]), (label[3], label[4], label[5])
-            if backward[0] != I and backward[0] != B:
-                _invalid(c.plan)
-            once(step, forward)
-            once(step, backward)
-            first, second = computation(step, F, label[1], label[2]), computation(step, *backward)
-            seen[forward] = seen[backward] = step
-            waits_row[step] = first if first >= 0 else second
-            if first >= 0 and second >= 0:
-                overlap_row[step] = second
-            if fsdp and (label[1] in fsdp or label[4] in fsdp):
-                unshard_row[step] = tuple(parameters(step, s) for s in sorted({label[1], label[4]}) if s in fsdp)
-        elif kind <= B:
-            if kind < F:
-                _invalid(c.plan)
+        if F <= kind <= B:
             if label in seen:
                 once(step, label)
             waits_row[step] = computation(step, kind, label[1], label[2])
             seen[label] = step
             if fsdp and label[1] in fsdp:
                 unshard_row[step] = (parameters(step, label[1]),)
-        elif kind <= RECV_B:
+        elif SEND_F <= kind <= RECV_B:
             s, mb = label[1], label[2]
             if not (0 <= s <= last and placement[s] == rank and 0 <= mb < m):
                 _invalid(c.plan)
@@ -272,6 +257,19 @@ def _check_rank(c: _Compiler, rank: int) -> dict[Label, int]:
                 boundary.append(peer_stage if kind == RECV_F else s)
                 incoming.setdefault(peer, []).append(step)
             seen[label] = step
+        elif kind == OVERLAP:
+            forward, backward = (F, label[1], label[2]), (label[3], label[4], label[5])
+            if backward[0] != I and backward[0] != B:
+                _invalid(c.plan)
+            once(step, forward)
+            once(step, backward)
+            first, second = computation(step, F, label[1], label[2]), computation(step, *backward)
+            seen[forward] = seen[backward] = step
+            waits_row[step] = first if first >= 0 else second
+            if first >= 0 and second >= 0:
+                overlap_row[step] = second
+            if fsdp and (label[1] in fsdp or label[4] in fsdp):
+                unshard_row[step] = tuple(parameters(step, s) for s in sorted({label[1], label[4]}) if s in fsdp)
         elif kind in STAGE_WIDE:
             s = label[1]
             if not (0 <= s <= last and placement[s] == rank):
