@@ -126,7 +126,9 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for case, (plan, _) in zip(cases, inputs, strict=True):
         actions = sum(len(program.actions) for program in plan.ranks)
-        compute = sum(1 for program in plan.ranks for a in program.actions if a.kind <= plan_pb2.ACTION_KIND_OVERLAP_F_B)
+        compute = sum(
+            1 for program in plan.ranks for a in program.actions if a.kind <= plan_pb2.ACTION_KIND_OVERLAP_F_B
+        )
         for variant in variants:
             times = wall[(case.name, variant)]
             median = statistics.median(times)

@@ -21,7 +21,7 @@ import itertools
 import pytest
 
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate import simulate, uniform_profile
+from octopipe.simulate import Estimate, simulate, uniform_profile
 from octopipe.tune import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 
 GRID = [(p, k * p) for p, k in itertools.product([2, 4, 8], [1, 2, 4, 8])]
@@ -35,7 +35,7 @@ def names(num_stages: int) -> list[list[str]]:
     return [[f"layer{s}"] for s in range(num_stages)]
 
 
-def run(plan: plan_pb2.Plan, f: int, b: int, w: int, *, freed_by_input: int = 0):  # type: ignore[no-untyped-def]
+def run(plan: plan_pb2.Plan, f: int, b: int, w: int, *, freed_by_input: int = 0) -> Estimate:
     profile = uniform_profile(
         plan,
         forward_us=f,

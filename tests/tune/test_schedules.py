@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 
+from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import verify_plan
 from octopipe.simulate.ir import Action, ActionKind, rank_actions
 from octopipe.tune import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
@@ -94,7 +96,7 @@ def test_bad_arguments_say_what_to_change() -> None:
 INTERLEAVED_GRID = [(p, v, m) for p, v, m in itertools.product([1, 2, 3, 4], [1, 2, 3], [1, 2, 3, 4, 6, 8, 12])]
 
 
-def computations(plan) -> dict[int, list[str]]:  # type: ignore[no-untyped-def]
+def computations(plan: plan_pb2.Plan) -> dict[int, list[str]]:
     return {r: [str(a) for a in acts if a.kind.is_compute] for r, acts in rank_actions(plan).items()}
 
 
@@ -131,7 +133,7 @@ def test_zb_h1_order_on_four_ranks() -> None:
     assert compute[3] == "3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0 3F4 3I4 3W1 3F5 3I5 3W2 3W3 3W4 3W5"
 
 
-def torch_orders(schedule_class, p: int, v: int, m: int) -> dict[int, list[str]]:  # type: ignore[no-untyped-def]
+def torch_orders(schedule_class: Any, p: int, v: int, m: int) -> dict[int, list[str]]:
     """torch's own compute order, from its schedule classes with stand-in stages (no process group)."""
     orders = {}
     for rank in range(p):
@@ -151,7 +153,9 @@ class TorchStage:
         self.is_first, self.is_last = index == 0, index == num_stages - 1
 
 
-@pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 4), (4, 2, 8), (4, 3, 4), (3, 2, 9), (4, 4, 16), (4, 2, 6), (2, 1, 8)])
+@pytest.mark.parametrize(
+    ("p", "v", "m"), [(2, 2, 4), (4, 2, 8), (4, 3, 4), (3, 2, 9), (4, 4, 16), (4, 2, 6), (2, 1, 8)]
+)
 def test_interleaved_matches_torch(p: int, v: int, m: int) -> None:
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
     assert computations(interleaved_1f1b(p, v, m)) == torch_orders(schedules.ScheduleInterleaved1F1B, p, v, m)
