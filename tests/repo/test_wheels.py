@@ -122,7 +122,10 @@ def test_separate_directories_form_one_namespace(wheels: dict[str, Path], tmp_pa
             check=False,
         )
         assert result.returncode == 0, result.stderr[-3000:]
-        origins.update(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith("octopipe."))
+        for line in result.stdout.splitlines():
+            if line.startswith("octopipe."):
+                name, path = line.split(" ", 1)
+                origins[name] = path
     for name in ("examples", "capture", "transform", "simulate", "tune", "execute"):
         assert origins[f"octopipe.{name}"].startswith(str(targets[name])), origins
     for area in ("plan", "profile", "estimate", "node", "coordinator"):
