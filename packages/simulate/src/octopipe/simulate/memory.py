@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from octopipe.simulate.bind import Bound
 from octopipe.simulate.engine import Timing
-from octopipe.simulate.program import SEND_B, SEND_F, Program
+from octopipe.simulate.program import SENDS, Program
 
 __all__ = ["MemoryUse", "memory_events", "memory_use"]
 
@@ -33,34 +33,56 @@ class MemoryUse:
     over_cap_step: int | None = None
 
 
-def memory_events(program: Program, timing: Timing, bound: Bound, rank: int) -> list[tuple[float, int, int]]:
-    """Every change of the rank's memory as (time, bytes, step), sorted (frees first at equal times)."""
-    events: list[tuple[float, int, int]] = []
-    append = events.append
+def memory_events(program: Program, timing: Timing, bound: Bound, rank: int) -> list[tuple[float, int]]:
+    """The rank's memory changes as (time, net bytes at that time), sorted by time.
+
+    Frees come before allocations at equal times, so the total after a time's
+    net change is the most held at that time.
+    """
+    deltas: dict[float, int] = {}
+    get = deltas.get
     starts, ends = timing.starts[rank], timing.ends[rank]
     allocs, frees, unsharded = bound.allocs[rank], bound.frees[rank], bound.unsharded[rank]
     for step, size in enumerate(allocs):
         if size:
-            append((starts[step], size, step))
+            time = starts[step]
+            deltas[time] = get(time, 0) + size
     for step, size in enumerate(frees):
         if size:
-            append((ends[step], -size, step))
+            time = ends[step]
+            deltas[time] = get(time, 0) - size
     for step, size in enumerate(unsharded):
         if size:
-            append((starts[step], size, step))
+            time = starts[step]
+            deltas[time] = get(time, 0) + size
     codes, sizes, consumer = program.codes[rank], bound.transfer_bytes, program.consumer
     for step, transfer in enumerate(program.transfer_of[rank]):
         if transfer < 0 or not sizes[transfer]:
             continue
         size = sizes[transfer]
-        if codes[step] == SEND_F or codes[step] == SEND_B:
-            append((timing.posted_send[transfer], size, step))
-            append((timing.transfer_end[transfer], -size, step))
+        if codes[step] in SENDS:
+            held, released = timing.posted_send[transfer], timing.transfer_end[transfer]
         else:
-            append((timing.posted_recv[transfer], size, step))
-            append((ends[consumer[transfer]], -size, consumer[transfer]))
-    events.sort()
-    return events
+            held, released = timing.posted_recv[transfer], ends[consumer[transfer]]
+        deltas[held] = get(held, 0) + size
+        deltas[released] = get(released, 0) - size
+    return sorted(deltas.items())
+
+
+def _allocating_step(program: Program, timing: Timing, bound: Bound, rank: int, time: float) -> int:
+    """The first step that allocates bytes at ``time`` on ``rank`` (0 if none does)."""
+    starts = timing.starts[rank]
+    for step, transfer in enumerate(program.transfer_of[rank]):
+        if transfer >= 0:
+            if bound.transfer_bytes[transfer]:
+                posted = (
+                    timing.posted_send[transfer] if program.codes[rank][step] in SENDS else timing.posted_recv[transfer]
+                )
+                if posted == time:
+                    return step
+        elif (bound.allocs[rank][step] or bound.unsharded[rank][step] > 0) and starts[step] == time:
+            return step
+    return 0
 
 
 def memory_use(program: Program, timing: Timing, bound: Bound, rank: int, cap_bytes: int | None) -> MemoryUse:
@@ -89,23 +111,20 @@ def memory_use(program: Program, timing: Timing, bound: Bound, rank: int, cap_by
             peak_step=activation_step,
         )
     total = peak = static
-    peak_time, peak_step = 0.0, 0
-    over_time: float | None = None
-    over_step: int | None = None
-    if cap_bytes is not None and static > cap_bytes:
-        over_time, over_step = 0.0, 0
-    for time, delta, step in memory_events(program, timing, bound, rank):
+    peak_time = 0.0
+    over_time: float | None = 0.0 if cap_bytes is not None and static > cap_bytes else None
+    for time, delta in memory_events(program, timing, bound, rank):
         total += delta
         if total > peak:
-            peak, peak_time, peak_step = total, time, step
+            peak, peak_time = total, time
         if over_time is None and cap_bytes is not None and total > cap_bytes:
-            over_time, over_step = time, step
+            over_time = time
     return MemoryUse(
         static_bytes=static,
         peak_activation_bytes=peak_activation,
         peak_bytes=peak,
         peak_time_us=peak_time,
-        peak_step=peak_step,
+        peak_step=_allocating_step(program, timing, bound, rank, peak_time) if peak > static else 0,
         over_cap_time_us=over_time,
-        over_cap_step=over_step,
+        over_cap_step=None if over_time is None else _allocating_step(program, timing, bound, rank, over_time),
     )

@@ -106,7 +106,7 @@ class Simulation:
         """The rank's total bytes over time: (time, bytes from then on), starting at (0, static)."""
         total = self.bound.static_bytes[rank]
         curve = [(0.0, total)]
-        for time, delta, _ in memory_events(self.program, self.timing, self.bound, rank):
+        for time, delta in memory_events(self.program, self.timing, self.bound, rank):
             total += delta
             if curve[-1][0] == time:
                 curve[-1] = (time, total)
