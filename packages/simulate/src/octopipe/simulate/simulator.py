@@ -142,6 +142,9 @@ def simulate(
 
     ``costs`` is a Profile (stage costs are the sums of each stage's layers;
     every rank pair the plan uses needs a LinkCost) or a :class:`CostModel`.
+    Every check of ``verify_plan`` runs, except that, for speed, which optional
+    fields are set is not re-checked: plans from ``build_plan``, ``load_plan``
+    and the generators are valid; run ``validate_plan`` on hand-made protos.
     """
     config = config or SimulationConfig()
     model = costs if isinstance(costs, CostModel) else CostModel.from_profile(plan, costs)
