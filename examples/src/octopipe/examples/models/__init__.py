@@ -15,6 +15,7 @@ from octopipe.examples.models.decoder import (
     nemotron_h,
     nemotron_h_kinds,
 )
+from octopipe.examples.models.expert_parallel import ExpertParallelMoE, expert_parallel
 from octopipe.examples.models.mamba import Mamba
 from octopipe.examples.models.moe import MoE
 
@@ -24,12 +25,14 @@ __all__ = [
     "Attention",
     "Block",
     "DecoderLM",
+    "ExpertParallelMoE",
     "Head",
     "Mamba",
     "MoE",
     "ModelConfig",
     "SquaredReluMLP",
     "SwiGLU",
+    "expert_parallel",
     "jamba",
     "jamba_kinds",
     "llama",
