@@ -23,6 +23,13 @@ import torch.multiprocessing as mp
 COLLECTIVE_TIMEOUT_S = 60
 
 
+def default_group() -> dist.ProcessGroup:
+    """The default process group (inside ``run_ranks``)."""
+    group = dist.group.WORLD
+    assert isinstance(group, dist.ProcessGroup), "call this inside run_ranks"
+    return group
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

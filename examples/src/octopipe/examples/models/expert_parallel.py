@@ -23,7 +23,7 @@ graph pass can move the wait away from the issue to overlap other compute.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,8 @@ from torch import nn
 from octopipe.examples.models.moe import MoE
 
 __all__ = ["ExpertParallelMoE", "all_to_all", "expert_parallel"]
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def _exchange(x: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
@@ -103,7 +105,7 @@ class ExpertParallelMoE(MoE):
         return all_to_all(back, self.group_name, world)  # [E, C, H]: expert-major again
 
 
-def expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+def expert_parallel(model: M, group: dist.ProcessGroup) -> M:
     """Replace every :class:`MoE` in ``model`` by its :class:`ExpertParallelMoE` twin over ``group``, in place.
 
     Every rank must build ``model`` identically (same seed) first; afterwards
