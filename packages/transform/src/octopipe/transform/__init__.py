@@ -1,13 +1,38 @@
 """octopipe.transform: pure graph passes over captured stages, and the layer profiler.
 
-Today: the automatic B/W split of a stage's backward (``split_backward``), the
-runnable split stage (``StageExecutable``) and the profiler.
+The automatic B/W split of a stage's backward (``split_backward``) and the
+runnable split stage (``StageExecutable``); the FSDP collective split into
+UNSHARD and REDUCE_GRAD graphs (``shard_parameters``, ``split_fsdp``,
+``FSDPStage``); forward/backward multiplexing that overlaps communication
+with the other half's compute (``multiplex``, ``OverlapStage`` for
+OVERLAP_F_B, cost models); and the profiler.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
 from octopipe.transform.bw_split import BWSplit, split_backward
 from octopipe.transform.executable import ForwardContext, StageExecutable, WeightContext, compile_stage
+from octopipe.transform.fsdp import ShardConfig, ShardSpec, shard_parameters, shard_specs, unshard_tensor
+from octopipe.transform.fsdp_split import NOT_HANDLED, FSDPGraphs, FSDPStage, ParamChain, compile_fsdp_stage, split_fsdp
+from octopipe.transform.multiplexing import (
+    CommOverlap,
+    CostModel,
+    Multiplexed,
+    OverlapReport,
+    Simulation,
+    multiplex,
+    simulate,
+)
+from octopipe.transform.overlap import (
+    OverlapResult,
+    OverlapStage,
+    Roofline,
+    comm_bytes,
+    measure_compute_us,
+    profile_costs,
+    roofline_costs,
+    table_costs,
+)
 from octopipe.transform.profiler import ProfilerConfig, format_profile, profile_layers, storage_bytes
 
 try:
@@ -16,15 +41,41 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "NOT_HANDLED",
     "BWSplit",
+    "CommOverlap",
+    "CostModel",
+    "FSDPGraphs",
+    "FSDPStage",
     "ForwardContext",
+    "Multiplexed",
+    "OverlapReport",
+    "OverlapResult",
+    "OverlapStage",
+    "ParamChain",
     "ProfilerConfig",
+    "Roofline",
+    "ShardConfig",
+    "ShardSpec",
+    "Simulation",
     "StageExecutable",
     "WeightContext",
     "__version__",
+    "comm_bytes",
+    "compile_fsdp_stage",
     "compile_stage",
     "format_profile",
+    "measure_compute_us",
+    "multiplex",
+    "profile_costs",
     "profile_layers",
+    "roofline_costs",
+    "shard_parameters",
+    "shard_specs",
+    "simulate",
     "split_backward",
+    "split_fsdp",
     "storage_bytes",
+    "table_costs",
+    "unshard_tensor",
 ]
