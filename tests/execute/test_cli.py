@@ -13,17 +13,29 @@ from octopipe.execute.cli import EXIT_OK, EXIT_USAGE, main
 from octopipe.simulate.ir import load_plan, plan_to_text
 from octopipe.tune import one_f_one_b
 
-OCTOPIPE = Path(sys.executable).parent / "octopipe"
+# The console script where the package is installed (scripts/setup.sh); `python -m` where it is
+# only on the path (Pants' test sandbox). Both run octopipe.execute.cli:entry.
+_SCRIPT = Path(sys.executable).parent / "octopipe"
+OCTOPIPE: list[str] = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "octopipe.execute"]
+
+
+def installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("octopipe-execute")
+    except PackageNotFoundError:
+        return "0.0.0+unknown"
 
 
 def test_console_script_help_and_version() -> None:
-    result = subprocess.run([OCTOPIPE, "--help"], capture_output=True, text=True, check=False)
+    result = subprocess.run([*OCTOPIPE, "--help"], capture_output=True, text=True, check=False)
     assert result.returncode == 0
     for command in ("plan", "demo"):
         assert command in result.stdout
-    version = subprocess.run([OCTOPIPE, "--version"], capture_output=True, text=True, check=False)
+    version = subprocess.run([*OCTOPIPE, "--version"], capture_output=True, text=True, check=False)
     assert version.returncode == 0
-    assert version.stdout.strip() == "octopipe 0.1.0"
+    assert version.stdout.strip() == f"octopipe {installed_version()}"
 
 
 @pytest.mark.parametrize(
@@ -78,7 +90,7 @@ def test_convert_between_formats(tmp_path: Path) -> None:
 
 def test_demo_writes_round_tripping_plans(tmp_path: Path) -> None:
     result = subprocess.run(
-        [OCTOPIPE, "--log-format", "json", "demo", "--out", str(tmp_path)], capture_output=True, text=True, check=False
+        [*OCTOPIPE, "--log-format", "json", "demo", "--out", str(tmp_path)], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stderr
     assert "plan 1f1b-p2-m4: 2 stages on 2 ranks, 4 micro-batches" in result.stdout
@@ -95,7 +107,19 @@ def test_profile_writes_a_profile(tmp_path: Path) -> None:
 
     out = tmp_path / "profile.binpb"
     result = subprocess.run(
-        [OCTOPIPE, "profile", "--workload", "nemotronh-16", "--tiny", "--sequence", "8", "--repeats", "1", "--out", str(out)],
+        [
+            *OCTOPIPE,
+            "profile",
+            "--workload",
+            "nemotronh-16",
+            "--tiny",
+            "--sequence",
+            "8",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         check=False,
@@ -105,6 +129,8 @@ def test_profile_writes_a_profile(tmp_path: Path) -> None:
     assert profile.model.name == "nemotronh-16"
     assert [c.layer_type for c in profile.layers][:4] == ["embedding", "mamba2", "relu2", "mamba2"]
     assert "layers.5" in result.stdout and f"written: {out}" in result.stdout
-    bad = subprocess.run([OCTOPIPE, "profile", "--out", str(tmp_path / "p.yaml")], capture_output=True, text=True, check=False)
+    bad = subprocess.run(
+        [*OCTOPIPE, "profile", "--out", str(tmp_path / "p.yaml")], capture_output=True, text=True, check=False
+    )
     assert bad.returncode == 2
     assert bad.stderr.strip() == f"octopipe: error: --out {tmp_path / 'p.yaml'}: use a .binpb, .pb or .json file"

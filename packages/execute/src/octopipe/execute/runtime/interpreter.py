@@ -1,0 +1,195 @@
+"""The interpreter: runs one rank's actions for one training step.
+
+It owns the rank's stages (captured and split), their gradient accumulators
+and the per-step state (stage inputs, contexts between F, B and W, tensors to
+send). Neighbouring stages on the same rank hand tensors over directly. The
+last stage's loss is scaled by 1/m through the output gradient it starts the
+backward with, so accumulated gradients are those of the mean loss.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from octopipe.execute.runtime.comm import P2P
+from octopipe.simulate.ir import Action, ActionKind
+from octopipe.transform import ForwardContext, StageExecutable, WeightContext
+
+__all__ = ["ActionRecord", "RankRuntime", "StepFailure", "rss_bytes"]
+
+
+class StepFailure(RuntimeError):
+    """An action failed; the message names the rank, step and action."""
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux), 0 where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    action: str
+    stream: str
+    start_us: float
+    end_us: float
+    memory_after_bytes: int
+
+
+@dataclass
+class _StepState:
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    forward_ctx: dict[tuple[int, int], ForwardContext] = field(default_factory=dict)
+    weight_ctx: dict[tuple[int, int], WeightContext] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    output_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    input_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+
+class RankRuntime:
+    """One rank's stages and the interpreter of its program."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        program: list[Action],
+        stages: dict[int, StageExecutable],
+        stage_rank: dict[int, int],
+        num_microbatches: int,
+        p2p: P2P,
+    ) -> None:
+        self.rank = rank
+        self.program = program
+        self.stages = stages
+        self.stage_rank = stage_rank
+        self.num_stages = max(stage_rank) + 1
+        self.m = num_microbatches
+        self.p2p = p2p
+        self.grads: dict[int, list[torch.Tensor | None]] = {s: [None] * len(exe.params) for s, exe in stages.items()}
+        self.loss_scale = torch.ones(()) / num_microbatches
+
+    def zero_grads(self) -> None:
+        for stage in self.grads:
+            self.grads[stage] = [None] * len(self.stages[stage].params)
+
+    def _accumulate(self, stage: int, grads: list[torch.Tensor | None]) -> None:
+        acc = self.grads[stage]
+        for index, grad in enumerate(grads):
+            if grad is None:
+                continue
+            acc[index] = grad if acc[index] is None else acc[index] + grad  # type: ignore[operator]
+
+    def run_step(
+        self,
+        step: int,
+        microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        on_action: Callable[[ActionRecord], None] | None = None,
+    ) -> torch.Tensor | None:
+        """Run the program once; return the mean loss if this rank holds the last stage."""
+        state = _StepState()
+        self.p2p.post_receives()
+        origin = time.perf_counter_ns()
+        for index, action in enumerate(self.program):
+            start = time.perf_counter_ns()
+            try:
+                self._run(action, state, microbatches, step)
+            except Exception as exc:
+                raise StepFailure(f"rank {self.rank}, step {step}, action {index} ({action}): {exc}") from exc
+            if on_action is not None:
+                end = time.perf_counter_ns()
+                stream = (
+                    "compute" if action.kind.is_compute else "send" if action.kind.name.startswith("SEND") else "recv"
+                )
+                on_action(ActionRecord(str(action), stream, (start - origin) / 1e3, (end - origin) / 1e3, rss_bytes()))
+        self.p2p.finish_sends(f"rank {self.rank}, step {step}, end of step")
+        leftovers = [k for k, c in state.weight_ctx.items() if c.tensors is not None]
+        if leftovers:
+            raise StepFailure(
+                f"rank {self.rank}, step {step}: W never ran for (stage, micro-batch) {sorted(leftovers)}"
+            )
+        if state.losses:
+            return torch.stack(state.losses).sum() * self.loss_scale
+        return None
+
+    def _stage_input(
+        self, state: _StepState, stage: int, mb: int, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        if stage == 0:
+            x = microbatches[mb][0]
+        elif (stage, mb) in state.inputs:
+            x = state.inputs.pop((stage, mb))
+        elif self.stage_rank[stage - 1] == self.rank and (stage - 1, mb) in state.outputs:
+            x = state.outputs.pop((stage - 1, mb))
+        else:
+            raise RuntimeError(
+                f"the input of stage {stage}, micro-batch {mb} is not here: no RECV_F or same-rank forward produced it"
+            )
+        return [x, microbatches[mb][1]] if stage == self.num_stages - 1 else [x]
+
+    def _output_grad(self, state: _StepState, stage: int, mb: int) -> torch.Tensor:
+        if (stage, mb) in state.output_grads:
+            return state.output_grads.pop((stage, mb))
+        if self.stage_rank.get(stage + 1) == self.rank and (stage + 1, mb) in state.input_grads:
+            return state.input_grads.pop((stage + 1, mb))
+        raise RuntimeError(
+            f"the output gradient of stage {stage}, micro-batch {mb} is not here: no RECV_B or same-rank backward produced it"
+        )
+
+    def _run(
+        self, action: Action, state: _StepState, microbatches: list[tuple[torch.Tensor, torch.Tensor]], step: int
+    ) -> None:
+        kind, s, mb = action.kind, action.stage, action.microbatch
+        if kind is ActionKind.OVERLAP_F_B:
+            for part in action.sub_actions:  # the multiplexed graph arrives with the transform issue
+                self._run(part, state, microbatches, step)
+            return
+        if kind in (ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD):
+            return  # stages are not sharded in this runtime yet: nothing to gather or reduce
+        assert mb is not None
+        key = (s, mb)
+        if kind is ActionKind.FORWARD:
+            exe = self.stages[s]
+            out, ctx = exe.forward(self._stage_input(state, s, mb, microbatches))
+            state.forward_ctx[key] = ctx
+            if s == self.num_stages - 1:
+                state.losses.append(out)
+                state.output_grads[key] = self.loss_scale
+            else:
+                state.outputs[key] = out
+        elif kind in (ActionKind.BACKWARD_INPUT, ActionKind.FULL_BACKWARD):
+            exe = self.stages[s]
+            ctx = state.forward_ctx.pop(key)
+            grad = self._output_grad(state, s, mb)
+            if kind is ActionKind.FULL_BACKWARD:
+                input_grads, param_grads = exe.full_backward(ctx, grad)
+                self._accumulate(s, param_grads)
+            else:
+                input_grads, state.weight_ctx[key] = exe.backward_input(ctx, grad)
+            if s > 0:
+                assert input_grads[0] is not None
+                state.input_grads[key] = input_grads[0]
+        elif kind is ActionKind.BACKWARD_WEIGHT:
+            wctx = state.weight_ctx.get(key)
+            if wctx is None:
+                raise RuntimeError(f"W of stage {s}, micro-batch {mb} runs before its B (I)")
+            self._accumulate(s, self.stages[s].backward_weight(wctx))
+        elif kind is ActionKind.SEND_F:
+            self.p2p.send(action, state.outputs.pop(key), self.stage_rank[s + 1])
+        elif kind is ActionKind.SEND_B:
+            self.p2p.send(action, state.input_grads.pop(key), self.stage_rank[s - 1])
+        elif kind is ActionKind.RECV_F:
+            state.inputs[key] = self.p2p.receive(action, f"rank {self.rank}, step {step} ({action})")
+        elif kind is ActionKind.RECV_B:
+            state.output_grads[key] = self.p2p.receive(action, f"rank {self.rank}, step {step} ({action})")

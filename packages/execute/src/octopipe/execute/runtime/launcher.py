@@ -1,0 +1,131 @@
+"""The local launcher: start one process per rank for a Plan, watch them, collect results.
+
+Ranks rendezvous through a TCPStore this process hosts on 127.0.0.1. If a rank
+fails, the store's abort flag stops the others at their next wait; any rank
+still alive after a grace period is killed. The error names the first failing
+rank, its step and its action.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from octopipe.execute.linkprobe import free_port
+from octopipe.execute.runtime.worker import ABORT_KEY, WorkerConfig, worker_main
+from octopipe.plan.v1 import plan_pb2
+from octopipe.simulate.ir import validate_plan
+
+__all__ = ["RunFailed", "RunResult", "run_local"]
+
+
+class RunFailed(RuntimeError):
+    """A rank failed; the message is the first failure's, naming rank, step and action."""
+
+
+@dataclass
+class RunResult:
+    """What the ranks reported: per-step losses (from the last stage), first-step grads, final params, timelines."""
+
+    losses: list[float]
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    timelines: dict[int, list[list[dict[str, Any]]]] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def run_local(
+    plan: plan_pb2.Plan,
+    *,
+    steps: int = 1,
+    seed: int = 0,
+    timeout_s: float = 60.0,
+    learning_rate: float = 1e-3,
+    pin_cores: bool = True,
+    keep_grads: bool = False,
+    keep_params: bool = False,
+    fail_at: dict[int, tuple[int, int]] | None = None,
+) -> RunResult:
+    """Run ``plan`` for ``steps`` optimizer steps on local CPU ranks (gloo, 127.0.0.1)."""
+    validate_plan(plan)
+    log = structlog.get_logger("octopipe.launcher")
+    world = len(plan.ranks)
+    port = free_port()
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    context = multiprocessing.get_context("spawn")
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="octopipe-run-") as folder:
+        base = WorkerConfig(
+            plan=plan.SerializeToString(),
+            rank=0,
+            world_size=world,
+            store_host="127.0.0.1",
+            store_port=port,
+            result_dir=folder,
+            steps=steps,
+            seed=seed,
+            timeout_s=timeout_s,
+            learning_rate=learning_rate,
+            pin_cores=pin_cores,
+            keep_grads=keep_grads,
+            keep_params=keep_params,
+        )
+        processes = [
+            context.Process(
+                target=worker_main,
+                args=(replace(base, rank=r, fail_at=(fail_at or {}).get(r)),),
+                name=f"octopipe-rank{r}",
+            )
+            for r in range(world)
+        ]
+        for process in processes:
+            process.start()
+        log.info("ranks_started", ranks=world, plan=plan.name, steps=steps)
+        _watch(processes, store, started + timeout_s * (steps + 2))
+        wall = time.monotonic() - started
+        errors = sorted(Path(folder).glob("rank*.error"), key=lambda p: p.stat().st_mtime)
+        if errors or any(p.exitcode != 0 for p in processes):
+            first = errors[0].read_text().split("\n\n")[0] if errors else "a rank died without a message"
+            codes = {p.name: p.exitcode for p in processes}
+            raise RunFailed(f"{first} (exit codes {codes})")
+        results = [torch.load(Path(folder) / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    last_rank = plan.stages[-1].rank
+    merged = RunResult(losses=list(results[last_rank]["losses"]), wall_s=wall)
+    for result in results:
+        merged.grads.update(result["grads"])
+        merged.params.update(result["params"])
+        merged.timelines[int(result["rank"])] = result["timelines"]
+    log.info("run_finished", wall_s=round(wall, 2), losses=[round(x, 5) for x in merged.losses])
+    return merged
+
+
+def _watch(processes: list[Any], store: dist.TCPStore, deadline: float, grace_s: float = 10.0) -> None:
+    """Wait for every rank; on the first failure raise the abort flag, then kill stragglers after a grace period."""
+    failed_at: float | None = None
+    while any(p.is_alive() for p in processes):
+        now = time.monotonic()
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in processes):
+            failed_at = now
+            if not store.check([ABORT_KEY]):
+                store.set(ABORT_KEY, "another rank exited with an error")
+        if now > deadline and failed_at is None:
+            failed_at = now - grace_s
+            store.set(ABORT_KEY, "the run exceeded its time limit")
+        if failed_at is not None and now > failed_at + grace_s:
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+        time.sleep(0.05)
+    for process in processes:
+        process.join(timeout=5)

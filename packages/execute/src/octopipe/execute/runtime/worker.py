@@ -1,0 +1,174 @@
+"""One rank's process: join the group, build and capture its stages, run the steps, report.
+
+Results go to ``<result_dir>/rank<r>.pt`` (loaded with ``weights_only=True``);
+a failure goes to ``<result_dir>/rank<r>.error`` and to the run's store, which
+every other rank watches while it waits, so all ranks stop together.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from octopipe.capture import split_model
+from octopipe.execute.runtime.comm import P2P
+from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime
+from octopipe.execute.runtime.models import build_model
+from octopipe.plan.v1 import plan_pb2
+from octopipe.simulate.ir import rank_actions, stage_ranks
+from octopipe.transform import compile_stage
+
+__all__ = ["ABORT_KEY", "WorkerConfig", "worker_main"]
+
+ABORT_KEY = "octopipe/abort"
+
+
+@dataclass(kw_only=True, frozen=True)
+class WorkerConfig:
+    plan: bytes
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    result_dir: str
+    steps: int = 1
+    seed: int = 0
+    timeout_s: float = 60.0
+    learning_rate: float = 1e-3
+    pin_cores: bool = True
+    keep_grads: bool = False
+    keep_params: bool = False
+    fail_at: tuple[int, int] | None = None  # (step, action index): raise there, for fault tests
+
+
+class _Recorder:
+    """Collects each action's record; can fail after a given number of actions (fault tests)."""
+
+    def __init__(self, fail_after: int | None) -> None:
+        self.records: list[ActionRecord] = []
+        self.fail_after = fail_after
+
+    def __call__(self, record: ActionRecord) -> None:
+        self.records.append(record)
+        if self.fail_after is not None and len(self.records) == self.fail_after:
+            raise RuntimeError(f"injected failure after {self.fail_after} actions")
+
+
+def _split_batch(tokens: torch.Tensor, targets: torch.Tensor, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if tokens.shape[0] % m:
+        raise ValueError(f"the global batch of {tokens.shape[0]} does not split into {m} equal micro-batches")
+    return list(zip(tokens.chunk(m), targets.chunk(m), strict=True))
+
+
+def worker_main(config: WorkerConfig) -> None:
+    """Entry point of a rank process (spawned by the launcher or torchrun)."""
+    rank = config.rank
+    out = Path(config.result_dir)
+    if config.pin_cores and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    torch.set_num_threads(1)
+    store = dist.TCPStore(
+        config.store_host, config.store_port, is_master=False, timeout=datetime.timedelta(seconds=config.timeout_s)
+    )
+    try:
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore("pg", store),
+            rank=rank,
+            world_size=config.world_size,
+            timeout=datetime.timedelta(seconds=config.timeout_s),
+        )
+        try:
+            result = _run(config, store)
+        finally:
+            dist.destroy_process_group()
+        torch.save(result, out / f"rank{rank}.pt")
+    except BaseException as exc:
+        message = str(exc) if str(exc) else type(exc).__name__
+        (out / f"rank{rank}.error").write_text(f"{message}\n\n{traceback.format_exc()}")
+        try:
+            if not store.check([ABORT_KEY]):
+                store.set(ABORT_KEY, f"rank {rank} failed: {message.splitlines()[0]}")
+        except Exception:  # the store may be gone; the launcher still sees the exit code
+            pass
+        raise SystemExit(1) from None
+
+
+def _run(config: WorkerConfig, store: dist.TCPStore) -> dict[str, object]:
+    plan = plan_pb2.Plan.FromString(config.plan)
+    rank, m = config.rank, plan.num_microbatches
+    programs = rank_actions(plan)
+    placement = stage_ranks(plan)
+    built = build_model(plan.model, seed=config.seed)
+    stages = split_model(built.model, [list(s.layer_names) for s in plan.stages])
+    mine = sorted(s for s, r in placement.items() if r == rank)
+
+    # example activations (one eager forward of the first micro-batch) give capture its shapes
+    first = _split_batch(*built.batch(0), m)[0]
+    activations = [first[0]]
+    with torch.no_grad():
+        for stage in stages[:-1]:
+            activations.append(stage(activations[-1]))
+    executables = {
+        s: compile_stage(
+            stages[s], [activations[s], first[1]] if s == len(stages) - 1 else [activations[s]], stage_index=s
+        )
+        for s in mine
+    }
+
+    def buffer_spec(key: tuple[str, int, int]) -> tuple[torch.Size, torch.dtype]:
+        direction, sender, _ = key
+        tensor = activations[sender + 1] if direction == "F" else activations[sender]
+        return tensor.shape, tensor.dtype
+
+    def aborted() -> str | None:
+        return store.get(ABORT_KEY).decode() if store.check([ABORT_KEY]) else None
+
+    p2p = P2P(
+        rank=rank,
+        programs=programs,
+        stage_rank=placement,
+        num_microbatches=m,
+        buffer_spec=buffer_spec,
+        timeout_s=config.timeout_s,
+        aborted=aborted,
+    )
+    runtime = RankRuntime(
+        rank=rank, program=programs[rank], stages=executables, stage_rank=placement, num_microbatches=m, p2p=p2p
+    )
+    params = {name: param for s in mine for name, param in stages[s].named_parameters()}
+    optimizer = torch.optim.AdamW(list(params.values()), lr=config.learning_rate, foreach=False)
+    losses: list[float] = []
+    timelines: list[list[ActionRecord]] = []
+    first_grads: dict[str, torch.Tensor] = {}
+    for step in range(config.steps):
+        microbatches = _split_batch(*built.batch(step), m)
+        fail_after = config.fail_at[1] if config.fail_at is not None and config.fail_at[0] == step else None
+        recorder = _Recorder(fail_after)
+        loss = runtime.run_step(step, microbatches, on_action=recorder)
+        if loss is not None:
+            losses.append(float(loss))
+        for s in mine:
+            names = executables[s].graphs.param_names
+            for name, grad in zip(names, runtime.grads[s], strict=True):
+                params[name].grad = grad
+        if step == 0 and config.keep_grads:
+            first_grads = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        runtime.zero_grads()
+        timelines.append(recorder.records)
+    return {
+        "rank": rank,
+        "losses": losses,
+        "grads": first_grads,
+        "params": {n: p.detach().clone() for n, p in params.items()} if config.keep_params else {},
+        "timelines": [[r.__dict__ for r in records] for records in timelines],
+    }
