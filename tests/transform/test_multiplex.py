@@ -10,7 +10,6 @@ collectives. Costs: the Profile-calibrated model sums to the profile.
 
 from __future__ import annotations
 
-import itertools
 from typing import Literal
 
 import pytest
@@ -172,10 +171,12 @@ def test_reordering_never_violates_a_dependency(forward: fx.GraphModule, backwar
     for prefix, gm in (("f", forward), ("b", backward)):
         mine = [n for n in order if n.meta["uid"].startswith(prefix)]
         assert _uids(mine, ordered) == _uids(list(gm.graph.nodes), ordered)
+    # the collectives' order does not depend on the costs (ranks may estimate differently)
     halves = [n.meta[HALF_KEY] for n in order if is_collective(n)]
-    counts = {h: halves.count(h) for h in ("forward", "backward")}
-    alternating = 2 * min(counts.values())
-    assert all(a != b for a, b in itertools.pairwise(halves[:alternating]))
+    other = multiplex(forward, backward, costs=CostModel(compute_us=lambda n: 1.0, comm_us=lambda n: 1000.0))
+    assert _uids([n for n in other.graph.graph.nodes if is_collective(n)]) == _uids(
+        [n for n in order if is_collective(n)]
+    )
     report = merged.report
     assert len(report.comms) == len(halves)
     assert all(0 <= c.hidden_fraction <= 1 and 0 <= c.hideable_fraction <= 1 for c in report.comms)

@@ -11,21 +11,8 @@ OVERLAP_F_B, cost models); and the profiler.
 from importlib.metadata import PackageNotFoundError, version
 
 from octopipe.transform.bw_split import BWSplit, split_backward
-from octopipe.transform.executable import ForwardContext, StageExecutable, WeightContext, compile_stage
-from octopipe.transform.fsdp import ShardConfig, ShardSpec, shard_parameters, shard_specs, unshard_tensor
-from octopipe.transform.fsdp_split import NOT_HANDLED, FSDPGraphs, FSDPStage, ParamChain, compile_fsdp_stage, split_fsdp
-from octopipe.transform.multiplexing import (
-    CommOverlap,
+from octopipe.transform.costs import (
     CostModel,
-    Multiplexed,
-    OverlapReport,
-    Simulation,
-    multiplex,
-    simulate,
-)
-from octopipe.transform.overlap import (
-    OverlapResult,
-    OverlapStage,
     Roofline,
     comm_bytes,
     measure_compute_us,
@@ -33,6 +20,11 @@ from octopipe.transform.overlap import (
     roofline_costs,
     table_costs,
 )
+from octopipe.transform.executable import ForwardContext, StageExecutable, WeightContext, compile_stage
+from octopipe.transform.fsdp import ShardConfig, ShardSpec, shard_parameters, shard_specs, unshard_tensor
+from octopipe.transform.fsdp_split import NOT_HANDLED, FSDPGraphs, FSDPStage, ParamChain, compile_fsdp_stage, split_fsdp
+from octopipe.transform.multiplexing import CommOverlap, Multiplexed, OverlapReport, Simulation, multiplex, simulate
+from octopipe.transform.overlap import OverlapResult, OverlapStage
 from octopipe.transform.profiler import ProfilerConfig, format_profile, profile_layers, storage_bytes
 
 try:

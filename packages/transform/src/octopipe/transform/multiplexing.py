@@ -11,7 +11,8 @@ compute runs: the collective is issued as soon as its input exists, its
 The order comes from a list scheduler that simulates one compute stream and
 one communication channel with per-node costs (a :class:`CostModel`):
 
-1. a collective whose inputs exist is issued at once;
+1. a collective whose inputs exist (and whose predecessor in the collective
+   order is issued) is issued at once;
 2. otherwise the *current* half runs its next ready compute node (in its own
    graph order, which keeps its memory behaviour);
 3. when the current half has only waits left, a wait whose transfer is done
@@ -19,10 +20,12 @@ one communication channel with per-node costs (a :class:`CostModel`):
    hides the transfer); only when neither half can compute does the order
    stall on the wait that finishes first.
 
-Each half keeps its own order of collectives, random ops and other impure ops,
-and the two halves' collectives are *interleaved alternately in an order that
-depends only on the graphs* (never on the costs), so ranks with different
-cost estimates still issue their collectives in the same order. The values
+Each half keeps its own order of collectives, random ops and other impure ops.
+The order of *all* collectives is fixed first, by scheduling with
+:func:`~octopipe.transform.costs.roofline_costs` (a function of the graphs'
+shapes alone); the given costs then place the compute around that order. So
+ranks with different cost estimates (measured per rank, say) still issue
+their collectives in the same order, which collectives require. The values
 each half computes are those of the separate graphs: the same ops run on the
 same inputs, so the outputs are bitwise equal.
 """
@@ -30,7 +33,7 @@ same inputs, so the outputs are bitwise equal.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,10 +41,10 @@ import torch
 from torch import fx
 
 from octopipe.transform.collectives import COLLECTIVE_KINDS, is_collective, is_wait, packet
+from octopipe.transform.costs import CostModel, roofline_costs
 
 __all__ = [
     "CommOverlap",
-    "CostModel",
     "Multiplexed",
     "OverlapReport",
     "Simulation",
@@ -51,19 +54,6 @@ __all__ = [
 
 Half = Literal["forward", "backward"]
 HALF_KEY = "octopipe_half"
-
-
-@dataclass(kw_only=True, frozen=True)
-class CostModel:
-    """Per-node cost estimates in microseconds.
-
-    ``compute_us(node)``: time on the compute stream (0 for views and
-    bookkeeping); ``comm_us(node)``: transfer time of a collective issue
-    node. Both are called with nodes of the graphs given to :func:`multiplex`.
-    """
-
-    compute_us: Callable[[fx.Node], float]
-    comm_us: Callable[[fx.Node], float]
 
 
 @dataclass(frozen=True)
@@ -226,22 +216,19 @@ def simulate(order: Sequence[fx.Node], costs: CostModel) -> Simulation:
     return Simulation(makespan_us=now, compute_us=compute, exposed_comm_us=exposed, comm_us=comm_total, comms=comms)
 
 
-def _comm_sequence(forward: list[fx.Node], backward: list[fx.Node]) -> list[fx.Node]:
-    """Both halves' collectives interleaved alternately; the half whose first collective needs fewer nodes first."""
-    fw = [n for n in forward if _kind(n) == "comm"]
-    bw = [n for n in backward if _kind(n) == "comm"]
+def _first_half(forward: list[fx.Node], backward: list[fx.Node]) -> Half:
+    """The half whose first collective needs fewer nodes before it starts (a comm gets in flight sooner)."""
 
-    def lead(nodes: list[fx.Node], comms: list[fx.Node]) -> int:
-        return nodes.index(comms[0]) if comms else len(nodes) + 1
+    def lead(nodes: list[fx.Node]) -> int:
+        return next((i for i, n in enumerate(nodes) if _kind(n) == "comm"), len(nodes) + 1)
 
-    first, second = (fw, bw) if lead(forward, fw) < lead(backward, bw) else (bw, fw)
-    merged: list[fx.Node] = []
-    for index in range(max(len(first), len(second))):
-        merged.extend(seq[index] for seq in (first, second) if index < len(seq))
-    return merged
+    return "forward" if lead(forward) < lead(backward) else "backward"
 
 
-def _schedule(forward: list[fx.Node], backward: list[fx.Node], costs: CostModel) -> list[fx.Node]:
+def _schedule(
+    forward: list[fx.Node], backward: list[fx.Node], costs: CostModel, sequence: list[fx.Node] | None
+) -> list[fx.Node]:
+    """List-schedule both halves (see the module docstring); ``sequence`` fixes the order of all collectives."""
     half = _halves(forward, backward)
     position = {n: i for i, n in enumerate(forward)} | {n: i for i, n in enumerate(backward)}
     preds: dict[fx.Node, set[fx.Node]] = {n: {i for i in n.all_input_nodes if i in half} for n in half}
@@ -249,8 +236,7 @@ def _schedule(forward: list[fx.Node], backward: list[fx.Node], costs: CostModel)
         chain = [n for n in nodes if _ordered(n)]
         for before, after in itertools.pairwise(chain):
             preds[after].add(before)
-    sequence = _comm_sequence(forward, backward)
-    for before, after in itertools.pairwise(sequence):
+    for before, after in itertools.pairwise(sequence or []):
         preds[after].add(before)
     users: dict[fx.Node, list[fx.Node]] = {n: [] for n in half}
     for node, parents in preds.items():
@@ -258,7 +244,7 @@ def _schedule(forward: list[fx.Node], backward: list[fx.Node], costs: CostModel)
             users[parent].append(node)
     missing = {n: len(p) for n, p in preds.items()}
     ready = {n for n, count in missing.items() if count == 0}
-    current: Half = half[sequence[0]] if sequence else "forward"
+    current = _first_half(forward, backward)
     now = channel = 0.0
     finish: dict[fx.Node, float] = {}
     order: list[fx.Node] = []
@@ -360,7 +346,13 @@ def multiplex(
     fw_body, bw_body = _body(forward), _body(backward)
     half = _halves(fw_body, bw_body)
     sequential = simulate([*fw_body, *bw_body], costs)
-    order = _schedule(fw_body, bw_body, costs) if overlap else [*fw_body, *bw_body]
+    if overlap:
+        # the collectives' order comes from shapes alone (the roofline), so it is the same on every rank
+        # whatever each rank's cost estimates; the user's costs then place the compute around it
+        plan = _schedule(fw_body, bw_body, roofline_costs(), None)
+        order = _schedule(fw_body, bw_body, costs, [n for n in plan if _kind(n) == "comm"])
+    else:
+        order = [*fw_body, *bw_body]
 
     graph = fx.Graph()
     envs: dict[Half, dict[fx.Node, fx.Node]] = {"forward": {}, "backward": {}}
