@@ -10,6 +10,8 @@ namespace is recognised: those are what AOTAutograd traces for
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 from torch import fx
@@ -30,16 +32,18 @@ __all__ = [
 _functional = torch.ops._c10d_functional
 _aten = torch.ops.aten
 
-#: collective kinds by overload packet name
-COLLECTIVE_KINDS = {
-    "all_gather_into_tensor": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "all_to_all_single": "all_to_all",
-    "all_reduce": "all_reduce",
-    "all_gather_into_tensor_coalesced": "all_gather_coalesced",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter_coalesced",
-    "all_reduce_coalesced": "all_reduce_coalesced",
-}
+#: collective kinds by overload packet name (read-only)
+COLLECTIVE_KINDS: Mapping[str, str] = MappingProxyType(
+    {
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter",
+        "all_to_all_single": "all_to_all",
+        "all_reduce": "all_reduce",
+        "all_gather_into_tensor_coalesced": "all_gather_coalesced",
+        "reduce_scatter_tensor_coalesced": "reduce_scatter_coalesced",
+        "all_reduce_coalesced": "all_reduce_coalesced",
+    }
+)
 
 # ops that only move, pad, cut or reinterpret data (no arithmetic); transposes are left out on purpose,
 # so a weight's ``t()`` for a matmul stays with the compute that uses it

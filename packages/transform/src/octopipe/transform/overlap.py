@@ -48,6 +48,8 @@ class OverlapStage:
     (1F1B-style steady state) or differ (a V-shape rank holding two stages).
     Every rank of a collective's group must build its OverlapStage from the
     same graphs, so collectives are issued in the same order everywhere.
+    ``overlap=False`` keeps F then B in their own orders in the one graph (a
+    control for measuring what the reordering buys).
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class OverlapStage:
         *,
         backward: Literal["full", "input"] = "full",
         costs: CostModel | None = None,
+        overlap: bool = True,
     ) -> None:
         if backward not in ("full", "input"):
             raise ValueError(f"backward must be 'full' or 'input', got {backward!r}")
@@ -64,7 +67,9 @@ class OverlapStage:
         self.backward_stage = backward_stage
         self.backward = backward
         graph = backward_stage.graphs.backward if backward == "full" else backward_stage.split.backward_input
-        self.multiplexed: Multiplexed = multiplex(forward_stage.graphs.forward, graph, costs=costs or roofline_costs())
+        self.multiplexed: Multiplexed = multiplex(
+            forward_stage.graphs.forward, graph, costs=costs or roofline_costs(), overlap=overlap
+        )
 
     def run(self, inputs: Sequence[torch.Tensor], ctx: ForwardContext, output_grad: torch.Tensor) -> OverlapResult:
         """OVERLAP_F_B: forward ``inputs`` of one micro-batch; backward of the micro-batch ``ctx`` belongs to."""
