@@ -8,9 +8,17 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from octopipe.execute.runtime import RunFailed, build_model, reference_run, run_local, workload_reference
+from octopipe.execute.runtime import (
+    RunFailed,
+    build_model,
+    reference_run,
+    run_local,
+    run_local_many,
+    workload_reference,
+)
 from octopipe.plan.v1 import plan_pb2
-from octopipe.tune import gpipe, one_f_one_b
+from octopipe.simulate.ir import Action, ActionKind, StageSpec, add_p2p_actions, build_plan, rank_actions
+from octopipe.tune import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 
 pytestmark = pytest.mark.slow
 
@@ -44,24 +52,64 @@ def assert_bitwise(expected: dict[str, torch.Tensor], actual: dict[str, torch.Te
         assert torch.equal(actual[name], value), f"{name}: max |diff| {(actual[name] - value).abs().max().item()}"
 
 
+def overlapped_1f1b(ranks: int, m: int, *, layer_names: list[list[str]]) -> plan_pb2.Plan:
+    """1F1B whose steady state runs each (B of one micro-batch, F of the next) as one OVERLAP_F_B."""
+    base = rank_actions(one_f_one_b(ranks, m, layer_names=layer_names))
+    compute: dict[int, list[Action]] = {}
+    for rank, actions in base.items():
+        plain = [a for a in actions if a.kind.is_compute]
+        merged: list[Action] = []
+        index = 0
+        while index < len(plain):
+            pair = plain[index : index + 2]
+            if len(pair) == 2 and pair[0].kind is ActionKind.FULL_BACKWARD and pair[1].kind is ActionKind.FORWARD:
+                merged.append(Action(ActionKind.OVERLAP_F_B, sub_actions=(pair[1], pair[0])))
+                index += 2
+            else:
+                merged.append(plain[index])
+                index += 1
+        compute[rank] = merged
+    stages = [StageSpec(rank=s, layer_names=tuple(names)) for s, names in enumerate(layer_names)]
+    placement = {s: s for s in range(ranks)}
+    return build_plan(
+        stages=stages, actions=add_p2p_actions(compute, placement), num_microbatches=m, name="1f1b-overlap"
+    )
+
+
+def library(workload: str, ranks: int, m: int) -> list[plan_pb2.Plan]:
+    """Every schedule the runtime must run, for one model and rank count."""
+    reference = workload_reference(workload, tiny=True, sequence=8, global_batch=2 * m)
+    names = build_model(reference).model.pipeline_layers()  # type: ignore[operator]
+    per_rank = equal_partition(names, ranks)
+    per_chunk = equal_partition(names, 2 * ranks)
+    plans = [
+        gpipe(ranks, m, layer_names=per_rank),
+        one_f_one_b(ranks, m, layer_names=per_rank),
+        zb_h1(ranks, m, layer_names=per_rank),
+        interleaved_1f1b(ranks, 2, m, layer_names=per_chunk),
+        overlapped_1f1b(ranks, m, layer_names=per_rank),
+    ]
+    for plan in plans:
+        plan.model.CopyFrom(reference)
+    return plans
+
+
 @pytest.mark.parametrize(
-    ("schedule", "workload", "ranks"),
-    [
-        (one_f_one_b, "llama-8", 2),
-        (gpipe, "moe-ep-4", 2),
-        (one_f_one_b, "jamba-8", 4),
-    ],
+    ("workload", "ranks"),
+    [("llama-8", 2), ("moe-ep-4", 2), ("jamba-8", 2), ("llama-8", 4), ("jamba-8", 4), ("nemotronh-16", 4)],
 )
-def test_one_step_grads_and_three_step_weights_equal_the_reference(schedule, workload: str, ranks: int) -> None:  # type: ignore[no-untyped-def]
-    plan = make_plan(schedule, workload, ranks, 4)
-    run = run_local(plan, steps=3, keep_grads=True, keep_params=True, timeout_s=120)
-    ref = reference_run(plan.model, num_microbatches=4, steps=3)
-    assert run.losses == pytest.approx(ref.losses, rel=1e-6)
-    assert_bitwise(ref.grads, run.grads)
-    assert_bitwise(ref.params, run.params)
-    for rank, steps in run.timelines.items():
-        assert len(steps) == 3
-        assert [r["action"] for r in steps[0]] == [str(a) for a in plan.ranks[rank].actions] or True
+def test_every_schedule_equals_the_reference_bitwise(workload: str, ranks: int) -> None:
+    """Loss and every gradient after one step, and every weight after three AdamW steps."""
+    plans = library(workload, ranks, 2 * ranks)
+    runs = run_local_many(plans, steps=3, keep_grads=True, keep_params=True, timeout_s=120)
+    ref = reference_run(plans[0].model, num_microbatches=2 * ranks, steps=3)
+    for plan, run in zip(plans, runs, strict=True):
+        assert run.losses == pytest.approx(ref.losses, rel=1e-6), plan.name
+        assert_bitwise(ref.grads, run.grads)
+        assert_bitwise(ref.params, run.params)
+        for rank, steps in run.timelines.items():
+            assert len(steps) == 3
+            assert [r["action"] for r in steps[0]["records"]] == [str(a) for a in rank_actions(plan)[rank]]
 
 
 def test_a_failing_rank_stops_every_rank_with_its_error() -> None:

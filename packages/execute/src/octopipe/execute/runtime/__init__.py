@@ -2,7 +2,7 @@
 
 from octopipe.execute.runtime.comm import P2P, Aborted, CommTimeout
 from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime, StepFailure
-from octopipe.execute.runtime.launcher import RunFailed, RunResult, run_local
+from octopipe.execute.runtime.launcher import RunFailed, RunResult, run_local, run_local_many
 from octopipe.execute.runtime.models import BuiltModel, build_model, workload_reference
 from octopipe.execute.runtime.reference import ReferenceResult, reference_run
 from octopipe.execute.runtime.worker import WorkerConfig, worker_main
@@ -22,6 +22,7 @@ __all__ = [
     "build_model",
     "reference_run",
     "run_local",
+    "run_local_many",
     "worker_main",
     "workload_reference",
 ]

@@ -18,7 +18,7 @@ import torch
 
 from octopipe.execute.runtime.comm import P2P
 from octopipe.simulate.ir import Action, ActionKind
-from octopipe.transform import ForwardContext, StageExecutable, WeightContext
+from octopipe.transform import ForwardContext, OverlapStage, StageExecutable, WeightContext, storage_bytes
 
 __all__ = ["ActionRecord", "RankRuntime", "StepFailure", "rss_bytes"]
 
@@ -38,11 +38,16 @@ def rss_bytes() -> int:
 
 @dataclass(frozen=True)
 class ActionRecord:
+    """One action as it ran: times on the machine's monotonic clock (comparable across local ranks)."""
+
     action: str
     stream: str
-    start_us: float
-    end_us: float
-    memory_after_bytes: int
+    start_ns: int
+    end_ns: int
+    #: bytes of activations, gradients in flight and messages this rank's program holds after the action
+    held_bytes: int
+    #: the process's resident set size after the action
+    rss_bytes: int
 
 
 @dataclass
@@ -54,6 +59,18 @@ class _StepState:
     output_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     input_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
+
+    def held_bytes(self) -> int:
+        """Bytes of the distinct storages this step's state holds (parameters excluded: they are not here)."""
+        tensors: list[object] = [*self.inputs.values(), *self.outputs.values(), *self.input_grads.values()]
+        tensors += [t for t in self.output_grads.values() if t.dim() > 0]
+        for ctx in self.forward_ctx.values():
+            tensors += ctx.saved or []
+        for wctx in self.weight_ctx.values():
+            tensors += wctx.tensors or []
+        return storage_bytes(tensors, exclude=self.static)
+
+    static: list[torch.Tensor] = field(default_factory=list)
 
 
 class RankRuntime:
@@ -78,6 +95,8 @@ class RankRuntime:
         self.p2p = p2p
         self.grads: dict[int, list[torch.Tensor | None]] = {s: [None] * len(exe.params) for s, exe in stages.items()}
         self.loss_scale = torch.ones(()) / num_microbatches
+        self.static = [t for exe in stages.values() for t in (*exe.params, *exe.buffers)]
+        self._overlaps: dict[tuple[int, int, ActionKind], OverlapStage] = {}
 
     def zero_grads(self) -> None:
         for stage in self.grads:
@@ -98,9 +117,8 @@ class RankRuntime:
         on_action: Callable[[ActionRecord], None] | None = None,
     ) -> torch.Tensor | None:
         """Run the program once; return the mean loss if this rank holds the last stage."""
-        state = _StepState()
+        state = _StepState(static=self.static)
         self.p2p.post_receives()
-        origin = time.perf_counter_ns()
         for index, action in enumerate(self.program):
             start = time.perf_counter_ns()
             try:
@@ -112,7 +130,7 @@ class RankRuntime:
                 stream = (
                     "compute" if action.kind.is_compute else "send" if action.kind.name.startswith("SEND") else "recv"
                 )
-                on_action(ActionRecord(str(action), stream, (start - origin) / 1e3, (end - origin) / 1e3, rss_bytes()))
+                on_action(ActionRecord(str(action), stream, start, end, state.held_bytes(), rss_bytes()))
         self.p2p.finish_sends(f"rank {self.rank}, step {step}, end of step")
         leftovers = [k for k, c in state.weight_ctx.items() if c.tensors is not None]
         if leftovers:
@@ -147,13 +165,48 @@ class RankRuntime:
             f"the output gradient of stage {stage}, micro-batch {mb} is not here: no RECV_B or same-rank backward produced it"
         )
 
+    def _overlap(
+        self, action: Action, state: _StepState, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """OVERLAP_F_B: one micro-batch's F and another's B (or I) as one multiplexed graph."""
+        forward, backward = action.sub_actions
+        assert forward.microbatch is not None and backward.microbatch is not None
+        key = (forward.stage, backward.stage, backward.kind)
+        overlap = self._overlaps.get(key)
+        if overlap is None:
+            full = backward.kind is ActionKind.FULL_BACKWARD
+            overlap = OverlapStage(
+                self.stages[forward.stage], self.stages[backward.stage], backward="full" if full else "input"
+            )
+            self._overlaps[key] = overlap
+        inputs = self._stage_input(state, forward.stage, forward.microbatch, microbatches)
+        bkey = (backward.stage, backward.microbatch)
+        ctx = state.forward_ctx.pop(bkey)
+        grad = self._output_grad(state, backward.stage, backward.microbatch)
+        result = overlap.run(inputs, ctx, grad)
+        self._forward_done(state, forward.stage, forward.microbatch, result.output, result.forward_ctx)
+        if result.param_grads is not None:
+            self._accumulate(backward.stage, result.param_grads)
+        if result.weight_ctx is not None:
+            state.weight_ctx[bkey] = result.weight_ctx
+        if backward.stage > 0:
+            assert result.input_grads[0] is not None
+            state.input_grads[bkey] = result.input_grads[0]
+
+    def _forward_done(self, state: _StepState, s: int, mb: int, out: torch.Tensor, ctx: ForwardContext) -> None:
+        state.forward_ctx[(s, mb)] = ctx
+        if s == self.num_stages - 1:
+            state.losses.append(out)
+            state.output_grads[(s, mb)] = self.loss_scale
+        else:
+            state.outputs[(s, mb)] = out
+
     def _run(
         self, action: Action, state: _StepState, microbatches: list[tuple[torch.Tensor, torch.Tensor]], step: int
     ) -> None:
         kind, s, mb = action.kind, action.stage, action.microbatch
         if kind is ActionKind.OVERLAP_F_B:
-            for part in action.sub_actions:  # the multiplexed graph arrives with the transform issue
-                self._run(part, state, microbatches, step)
+            self._overlap(action, state, microbatches)
             return
         if kind in (ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD):
             return  # stages are not sharded in this runtime yet: nothing to gather or reduce
@@ -162,12 +215,7 @@ class RankRuntime:
         if kind is ActionKind.FORWARD:
             exe = self.stages[s]
             out, ctx = exe.forward(self._stage_input(state, s, mb, microbatches))
-            state.forward_ctx[key] = ctx
-            if s == self.num_stages - 1:
-                state.losses.append(out)
-                state.output_grads[key] = self.loss_scale
-            else:
-                state.outputs[key] = out
+            self._forward_done(state, s, mb, out, ctx)
         elif kind in (ActionKind.BACKWARD_INPUT, ActionKind.FULL_BACKWARD):
             exe = self.stages[s]
             ctx = state.forward_ctx.pop(key)

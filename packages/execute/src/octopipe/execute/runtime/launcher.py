@@ -25,7 +25,7 @@ from octopipe.execute.runtime.worker import ABORT_KEY, WorkerConfig, worker_main
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate.ir import validate_plan
 
-__all__ = ["RunFailed", "RunResult", "run_local"]
+__all__ = ["RunFailed", "RunResult", "run_local", "run_local_many"]
 
 
 class RunFailed(RuntimeError):
@@ -39,12 +39,18 @@ class RunResult:
     losses: list[float]
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
-    timelines: dict[int, list[list[dict[str, Any]]]] = field(default_factory=dict)
+    #: rank -> per step {"start_ns", "end_ns", "records": [ActionRecord fields]}
+    timelines: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     wall_s: float = 0.0
 
 
-def run_local(
-    plan: plan_pb2.Plan,
+def run_local(plan: plan_pb2.Plan, **options: Any) -> RunResult:
+    """Run ``plan`` for ``steps`` optimizer steps on local CPU ranks (gloo, 127.0.0.1); see ``run_local_many``."""
+    return run_local_many([plan], **options)[0]
+
+
+def run_local_many(
+    plans: list[plan_pb2.Plan],
     *,
     steps: int = 1,
     seed: int = 0,
@@ -54,11 +60,21 @@ def run_local(
     keep_grads: bool = False,
     keep_params: bool = False,
     fail_at: dict[int, tuple[int, int]] | None = None,
-) -> RunResult:
-    """Run ``plan`` for ``steps`` optimizer steps on local CPU ranks (gloo, 127.0.0.1)."""
-    validate_plan(plan)
+) -> list[RunResult]:
+    """Run each plan for ``steps`` optimizer steps, one after the other, in one launch of local CPU ranks.
+
+    The plans must have the same number of ranks (and normally the same model);
+    each starts from the same freshly built weights. One launch saves the
+    process start-up and reuses captured stages between plans.
+    """
+    if not plans:
+        raise ValueError("give at least one plan")
+    for plan in plans:
+        validate_plan(plan)
+    world = len(plans[0].ranks)
+    if any(len(plan.ranks) != world for plan in plans):
+        raise ValueError(f"plans run together must have the same number of ranks: {[len(p.ranks) for p in plans]}")
     log = structlog.get_logger("octopipe.launcher")
-    world = len(plan.ranks)
     port = free_port()
     store = dist.TCPStore(
         "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
@@ -67,7 +83,7 @@ def run_local(
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="octopipe-run-") as folder:
         base = WorkerConfig(
-            plan=plan.SerializeToString(),
+            plans=tuple(plan.SerializeToString() for plan in plans),
             rank=0,
             world_size=world,
             store_host="127.0.0.1",
@@ -91,8 +107,8 @@ def run_local(
         ]
         for process in processes:
             process.start()
-        log.info("ranks_started", ranks=world, plan=plan.name, steps=steps)
-        _watch(processes, store, started + timeout_s * (steps + 2))
+        log.info("ranks_started", ranks=world, plans=[plan.name for plan in plans], steps=steps)
+        _watch(processes, store, started + timeout_s * (steps + 2) * len(plans))
         wall = time.monotonic() - started
         errors = sorted(Path(folder).glob("rank*.error"), key=lambda p: p.stat().st_mtime)
         if errors or any(p.exitcode != 0 for p in processes):
@@ -100,13 +116,17 @@ def run_local(
             codes = {p.name: p.exitcode for p in processes}
             raise RunFailed(f"{first} (exit codes {codes})")
         results = [torch.load(Path(folder) / f"rank{r}.pt", weights_only=True) for r in range(world)]
-    last_rank = plan.stages[-1].rank
-    merged = RunResult(losses=list(results[last_rank]["losses"]), wall_s=wall)
-    for result in results:
-        merged.grads.update(result["grads"])
-        merged.params.update(result["params"])
-        merged.timelines[int(result["rank"])] = result["timelines"]
-    log.info("run_finished", wall_s=round(wall, 2), losses=[round(x, 5) for x in merged.losses])
+    merged: list[RunResult] = []
+    for index, plan in enumerate(plans):
+        last_rank = plan.stages[-1].rank
+        result = RunResult(losses=list(results[last_rank][index]["losses"]), wall_s=wall)
+        for per_rank in results:
+            entry = per_rank[index]
+            result.grads.update(entry["grads"])
+            result.params.update(entry["params"])
+            result.timelines[int(entry["rank"])] = entry["timelines"]
+        merged.append(result)
+    log.info("run_finished", wall_s=round(wall, 2), losses=[[round(x, 5) for x in r.losses] for r in merged])
     return merged
 
 

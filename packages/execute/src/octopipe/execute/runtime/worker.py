@@ -1,6 +1,8 @@
 """One rank's process: join the group, build and capture its stages, run the steps, report.
 
-Results go to ``<result_dir>/rank<r>.pt`` (loaded with ``weights_only=True``);
+A worker runs one or more plans (same model and ranks) one after the other,
+each from freshly built weights; stages captured for one plan are reused by the
+next when their layers and input shapes match. Results go to ``<result_dir>/rank<r>.pt`` (loaded with ``weights_only=True``);
 a failure goes to ``<result_dir>/rank<r>.error`` and to the run's store, which
 every other rank watches while it waits, so all ranks stop together.
 """
@@ -9,20 +11,21 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from octopipe.capture import split_model
+from octopipe.capture import StageGraphs, StageModule, capture_stage, split_model
 from octopipe.execute.runtime.comm import P2P
 from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime
 from octopipe.execute.runtime.models import build_model
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate.ir import rank_actions, stage_ranks
-from octopipe.transform import compile_stage
+from octopipe.transform import BWSplit, StageExecutable, split_backward
 
 __all__ = ["ABORT_KEY", "WorkerConfig", "worker_main"]
 
@@ -31,7 +34,7 @@ ABORT_KEY = "octopipe/abort"
 
 @dataclass(kw_only=True, frozen=True)
 class WorkerConfig:
-    plan: bytes
+    plans: tuple[bytes, ...]
     rank: int
     world_size: int
     store_host: str
@@ -101,8 +104,40 @@ def worker_main(config: WorkerConfig) -> None:
         raise SystemExit(1) from None
 
 
-def _run(config: WorkerConfig, store: dist.TCPStore) -> dict[str, object]:
-    plan = plan_pb2.Plan.FromString(config.plan)
+@dataclass
+class _CaptureCache:
+    """Captured and split stages by (layer names, last stage?, input shapes): reused across plans."""
+
+    entries: dict[tuple[object, ...], tuple[StageGraphs, BWSplit]] = field(default_factory=dict)
+
+    def executable(self, stage: StageModule, inputs: list[torch.Tensor]) -> StageExecutable:
+        key = (stage.layer_names, stage.is_last, tuple((tuple(x.shape), x.dtype) for x in inputs))
+        if key not in self.entries:
+            graphs = capture_stage(stage, inputs, stage_index=stage.stage_index)
+            split = split_backward(graphs.backward, num_params=graphs.num_params, num_inputs=graphs.num_inputs)
+            self.entries[key] = (graphs, split)
+        graphs, split = self.entries[key]
+        named_params = dict(stage.named_parameters())
+        named_buffers = dict(stage.named_buffers())
+        return StageExecutable(
+            graphs,
+            split,
+            [named_params[n] for n in graphs.param_names],
+            [named_buffers[n] for n in graphs.buffer_names],
+        )
+
+
+def _run(config: WorkerConfig, store: dist.TCPStore) -> list[dict[str, object]]:
+    cache = _CaptureCache()
+    return [
+        _run_plan(config, plan_pb2.Plan.FromString(data), store, cache, index)
+        for index, data in enumerate(config.plans)
+    ]
+
+
+def _run_plan(
+    config: WorkerConfig, plan: plan_pb2.Plan, store: dist.TCPStore, cache: _CaptureCache, plan_index: int
+) -> dict[str, object]:
     rank, m = config.rank, plan.num_microbatches
     programs = rank_actions(plan)
     placement = stage_ranks(plan)
@@ -117,9 +152,7 @@ def _run(config: WorkerConfig, store: dist.TCPStore) -> dict[str, object]:
         for stage in stages[:-1]:
             activations.append(stage(activations[-1]))
     executables = {
-        s: compile_stage(
-            stages[s], [activations[s], first[1]] if s == len(stages) - 1 else [activations[s]], stage_index=s
-        )
+        s: cache.executable(stages[s], [activations[s], first[1]] if s == len(stages) - 1 else [activations[s]])
         for s in mine
     }
 
@@ -146,13 +179,16 @@ def _run(config: WorkerConfig, store: dist.TCPStore) -> dict[str, object]:
     params = {name: param for s in mine for name, param in stages[s].named_parameters()}
     optimizer = torch.optim.AdamW(list(params.values()), lr=config.learning_rate, foreach=False)
     losses: list[float] = []
-    timelines: list[list[ActionRecord]] = []
+    timelines: list[dict[str, object]] = []
     first_grads: dict[str, torch.Tensor] = {}
     for step in range(config.steps):
         microbatches = _split_batch(*built.batch(step), m)
         fail_after = config.fail_at[1] if config.fail_at is not None and config.fail_at[0] == step else None
         recorder = _Recorder(fail_after)
+        dist.barrier()  # ranks start each step together, so measured timelines line up
+        step_start = time.perf_counter_ns()
         loss = runtime.run_step(step, microbatches, on_action=recorder)
+        step_end = time.perf_counter_ns()
         if loss is not None:
             losses.append(float(loss))
         for s in mine:
@@ -164,11 +200,14 @@ def _run(config: WorkerConfig, store: dist.TCPStore) -> dict[str, object]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         runtime.zero_grads()
-        timelines.append(recorder.records)
+        timelines.append(
+            {"start_ns": step_start, "end_ns": step_end, "records": [r.__dict__ for r in recorder.records]}
+        )
     return {
+        "plan": plan_index,
         "rank": rank,
         "losses": losses,
         "grads": first_grads,
         "params": {n: p.detach().clone() for n, p in params.items()} if config.keep_params else {},
-        "timelines": [[r.__dict__ for r in records] for records in timelines],
+        "timelines": timelines,
     }
