@@ -13,7 +13,7 @@ from google.protobuf import json_format
 
 from octopipe.profile.v1 import profile_pb2
 
-__all__ = ["add_parser", "run", "save_profile"]
+__all__ = ["add_parser", "load_profile", "run", "save_profile"]
 
 
 def add_parser(sub: Any) -> None:
@@ -37,6 +37,22 @@ def save_profile(profile: profile_pb2.Profile, path: Path) -> None:
         path.write_bytes(profile.SerializeToString(deterministic=True))
     else:
         raise ValueError(f"{path}: write a profile as .binpb, .pb or .json")
+
+
+def load_profile(path: Path) -> profile_pb2.Profile:
+    """Read a Profile from .binpb/.pb (binary) or .json; ValueError saying what is wrong."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the profile: {exc.strerror}") from None
+    try:
+        if path.suffix == ".json":
+            return json_format.Parse(data.decode("utf-8"), profile_pb2.Profile())
+        if path.suffix in (".binpb", ".pb"):
+            return profile_pb2.Profile.FromString(data)
+    except Exception as exc:  # DecodeError, ParseError, UnicodeDecodeError
+        raise ValueError(f"{path}: not a valid profile: {exc}") from None
+    raise ValueError(f"{path}: a profile is a .binpb, .pb or .json file")
 
 
 def run(args: argparse.Namespace) -> int:

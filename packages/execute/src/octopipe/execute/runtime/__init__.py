@@ -3,11 +3,21 @@
 from octopipe.execute.runtime.comm import P2P, Aborted, CommTimeout
 from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime, StepFailure
 from octopipe.execute.runtime.launcher import RunFailed, RunResult, run_local, run_local_many
+from octopipe.execute.runtime.measure import (
+    LOCAL_GLOO_LINK,
+    local_cost_model,
+    measured_step_times_us,
+    median_step_time_us,
+    side_by_side_trace,
+    timelines_to_proto,
+    write_side_by_side_trace,
+)
 from octopipe.execute.runtime.models import BuiltModel, build_model, workload_reference
 from octopipe.execute.runtime.reference import ReferenceResult, reference_run
 from octopipe.execute.runtime.worker import WorkerConfig, worker_main
 
 __all__ = [
+    "LOCAL_GLOO_LINK",
     "P2P",
     "Aborted",
     "ActionRecord",
@@ -20,9 +30,15 @@ __all__ = [
     "StepFailure",
     "WorkerConfig",
     "build_model",
+    "local_cost_model",
+    "measured_step_times_us",
+    "median_step_time_us",
     "reference_run",
     "run_local",
     "run_local_many",
+    "side_by_side_trace",
+    "timelines_to_proto",
     "worker_main",
     "workload_reference",
+    "write_side_by_side_trace",
 ]

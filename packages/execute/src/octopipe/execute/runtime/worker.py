@@ -39,6 +39,8 @@ class WorkerConfig:
     world_size: int
     store_host: str
     store_port: int
+    #: host the rendezvous store here (rank 0 of a launch without a launcher-held store)
+    store_is_master: bool = False
     result_dir: str
     steps: int = 1
     seed: int = 0
@@ -78,7 +80,10 @@ def worker_main(config: WorkerConfig) -> None:
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
     torch.set_num_threads(1)
     store = dist.TCPStore(
-        config.store_host, config.store_port, is_master=False, timeout=datetime.timedelta(seconds=config.timeout_s)
+        config.store_host,
+        config.store_port,
+        is_master=config.store_is_master,
+        timeout=datetime.timedelta(seconds=config.timeout_s),
     )
     try:
         dist.init_process_group(

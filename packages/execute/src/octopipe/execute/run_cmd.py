@@ -1,0 +1,107 @@
+"""``octopipe run``: run a Plan on local CPU ranks (or join a torchrun launch) and report what was measured."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from octopipe.plan.v1 import plan_pb2
+from octopipe.profile.v1 import profile_pb2
+from octopipe.simulate.ir import load_plan
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser("run", help="run a plan on local CPU ranks (gloo) or join a torchrun launch")
+    parser.add_argument("plan", type=Path, help="plan file (.binpb, .json, .txt, .csv) naming its model")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any rank may wait for a message")
+    parser.add_argument("--profile", type=Path, help="a Profile: also simulate the plan and compare")
+    parser.add_argument("--trace", type=Path, help="write a Perfetto trace (simulated and measured side by side)")
+    parser.add_argument("--timeline", type=Path, help="write the measured timelines as a Profile (.binpb/.json)")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin each rank to its own core")
+    parser.add_argument(
+        "--torchrun", action="store_true", help="join an external launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
+    )
+    parser.add_argument("--out", type=Path, default=Path("out/run"), help="--torchrun: where each rank writes results")
+
+
+def _join_torchrun(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
+    from octopipe.execute.runtime import WorkerConfig, worker_main  # noqa: PLC0415
+
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError) as exc:
+        raise ValueError(
+            f"--torchrun needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment ({exc})"
+        ) from None
+    if world != len(plan.ranks):
+        raise ValueError(f"the launch has {world} ranks but the plan needs {len(plan.ranks)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    worker_main(
+        WorkerConfig(
+            plans=(plan.SerializeToString(),), rank=rank, world_size=world, store_host=host, store_port=port,
+            store_is_master=rank == 0 and not agent_store, result_dir=str(args.out), steps=args.steps,
+            seed=args.seed, timeout_s=args.timeout, pin_cores=not args.no_pin,
+        )
+    )  # fmt: skip
+    sys.stdout.write(f"rank {rank}: results in {args.out / f'rank{rank}.pt'}\n")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    from octopipe.execute.profile_cmd import load_profile, save_profile  # noqa: PLC0415
+    from octopipe.execute.runtime import (  # noqa: PLC0415
+        local_cost_model,
+        measured_step_times_us,
+        run_local,
+        timelines_to_proto,
+        write_side_by_side_trace,
+    )
+    from octopipe.simulate import simulate  # noqa: PLC0415
+
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    plan = load_plan(args.plan)
+    if not plan.HasField("model") or not plan.model.source:
+        raise ValueError(f"{args.plan}: the plan names no model (set model.source, e.g. octopipe.examples:workload)")
+    if args.torchrun:
+        return _join_torchrun(plan, args)
+    simulation = simulate(plan, local_cost_model(plan, load_profile(args.profile))) if args.profile else None
+    result = run_local(plan, steps=args.steps, seed=args.seed, timeout_s=args.timeout, pin_cores=not args.no_pin)
+    times = measured_step_times_us(result)
+    console = Console()
+    table = Table(
+        title=f"{plan.name or args.plan.name}: {len(plan.ranks)} ranks, {plan.num_microbatches} micro-batches"
+    )
+    table.add_column("step", justify="right")
+    table.add_column("loss", justify="right")
+    table.add_column("measured step ms", justify="right")
+    if simulation is not None:
+        table.add_column("simulated step ms", justify="right")
+    for step, (loss, time_us) in enumerate(zip(result.losses, times, strict=True)):
+        row = [str(step), f"{loss:.5f}", f"{time_us / 1e3:.1f}"]
+        if simulation is not None:
+            row.append(f"{simulation.estimate.step_time_us / 1e3:.1f}")
+        table.add_row(*row)
+    console.print(table)
+    if args.timeline:
+        message = profile_pb2.Profile(device="cpu")
+        message.model.CopyFrom(plan.model)
+        message.timelines.extend(timelines_to_proto(result))
+        save_profile(message, args.timeline)
+        console.print(f"timelines: {args.timeline}")
+    if args.trace:
+        write_side_by_side_trace(args.trace, simulation, result, step=len(times) - 1)
+        console.print(f"trace: {args.trace} (open in https://ui.perfetto.dev)")
+    return 0
