@@ -2,10 +2,11 @@
 
 A schedule is data, never control flow: each generator returns a Plan whose
 rank programs the one simulator scores and the one runtime interprets.
-This is the start of the library (GPipe, 1F1B, interleaved 1F1B, ZB-H1);
-the rest follow. Interleaved 1F1B and ZB-H1 order their actions exactly as
-torch.distributed.pipelining's ScheduleInterleaved1F1B and
-ScheduleInterleavedZeroBubble (one stage per rank) do.
+One stage per rank or interleaved: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and
+ZB-H2 (the V-shaped ones are in :mod:`octopipe.tune.vshape`). Interleaved 1F1B
+and ZB-H1 order their actions exactly as torch.distributed.pipelining's
+ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble (one stage per rank)
+do.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from octopipe.plan.v1 import plan_pb2
+from octopipe.simulate import CostModel, StageCost
 from octopipe.simulate.ir import Action, ActionKind, StageSpec, add_p2p_actions, build_plan
+from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
 
-__all__ = ["gpipe", "interleaved_1f1b", "one_f_one_b", "zb_h1"]
+__all__ = ["gpipe", "interleaved_1f1b", "one_f_one_b", "unit_costs", "zb_h1", "zb_h2"]
 
 
 def _check(
@@ -47,17 +50,17 @@ def _plan(
     *,
     num_chunks: int = 1,
     labels: dict[str, str] | None = None,
+    placement: Sequence[int] | None = None,
 ) -> plan_pb2.Plan:
     num_stages = num_ranks * num_chunks
-    placement = {s: s % num_ranks for s in range(num_stages)}
+    ranks = dict(enumerate(placement)) if placement is not None else {s: s % num_ranks for s in range(num_stages)}
     stages = [
-        StageSpec(rank=placement[s], layer_names=tuple(layer_names[s]) if layer_names else ())
-        for s in range(num_stages)
+        StageSpec(rank=ranks[s], layer_names=tuple(layer_names[s]) if layer_names else ()) for s in range(num_stages)
     ]
     chunks = f"-v{num_chunks}" if num_chunks > 1 else ""
     return build_plan(
         stages=stages,
-        actions=add_p2p_actions(compute, placement),
+        actions=add_p2p_actions(compute, ranks),
         num_microbatches=num_microbatches,
         name=f"{name}-p{num_ranks}{chunks}-m{num_microbatches}",
         labels={"schedule": name, **(labels or {})},
@@ -156,6 +159,37 @@ def zb_h1(
         program.extend(Action(ActionKind.BACKWARD_WEIGHT, r, mb) for mb in range(weights, m))
         compute[r] = program
     return _plan("zb-h1", compute, p, m, layer_names)
+
+
+def zb_h2(
+    num_ranks: int, num_microbatches: int, *, layer_names: Sequence[Sequence[str]] | None = None
+) -> plan_pb2.Plan:
+    """ZB-H2 (Zero Bubble, Qi et al. 2024): more warm-up forwards, weight gradients moved to the tail.
+
+    Rank r runs forwards while fewer than 2(p-r)-1 of its micro-batches wait
+    for their input backward and fewer than 2p-1 for their weight backward
+    (the memory bound: up to 2p-1 micro-batches' activations on every rank), a
+    ready forward before a ready I, and a W whenever nothing else is ready.
+    The order is built once on unit costs (F = I = W) by the list scheduler
+    and is independent of the real costs. Each rank's span (first start to
+    last end, the step time when consecutive steps overlap at the optimizer)
+    is m(F+B+W) plus at most (p-1)(F+B-2W) (0 when F = B = W).
+    """
+    p, m = num_ranks, num_microbatches
+    _check(p, m, layer_names)
+    config = ListSchedulerConfig(
+        priority="forward", max_in_flight=[2 * p - 1] * p, max_ahead=[2 * (p - r) - 1 for r in range(p)]
+    )
+    compute = list_schedule(unit_costs(p), list(range(p)), m, config=config)
+    return _plan("zb-h2", compute, p, m, layer_names)
+
+
+def unit_costs(num_stages: int) -> CostModel:
+    """F = I = W = 1 us and 1 activation byte per stage, free links: the cost model schedules are shaped on."""
+    return CostModel.uniform(
+        num_stages=num_stages,
+        stage=StageCost(forward_us=1.0, backward_input_us=1.0, backward_weight_us=1.0, activation_bytes=1),
+    )
 
 
 def _one_f_one_b_order(forwards: list[int], backwards: list[int], warmup: int) -> list[Action]:
