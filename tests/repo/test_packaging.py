@@ -20,6 +20,7 @@ IMPORT_TO_DIST = {
     "structlog": "structlog",
     "rich": "rich",
     "matplotlib": "matplotlib",
+    "highspy": "highspy",
 }
 
 

@@ -1,15 +1,47 @@
-"""octopipe.tune: schedule generators and (to come) the partition x placement x schedule co-optimizer.
+"""octopipe.tune: the schedule library and the partition x placement x schedule co-optimizer.
 
-Never imports torch.
+Never imports torch. Schedules are functions that return a Plan; ``tune``
+searches partitions, placements and schedules, scoring each candidate with
+the simulator, under per-rank memory caps; ``exact_schedule`` (extra
+``octopipe-tune[exact]``) solves small instances optimally for comparison.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
-from octopipe.tune.schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
+from octopipe.tune.exact import ExactResult, exact_schedule
+from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
+from octopipe.tune.optimizer import PhaseReport, TuneConfig, TuneResult, balanced_bounds, equal_bounds, tune
+from octopipe.tune.problem import FAMILIES, placement_for
+from octopipe.tune.schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_h2
+from octopipe.tune.vshape import dualpipe_v, v_half, v_min, v_placement, zb_v
 
 try:
     __version__ = version("octopipe-tune")
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["__version__", "gpipe", "interleaved_1f1b", "one_f_one_b", "zb_h1"]
+__all__ = [
+    "FAMILIES",
+    "ExactResult",
+    "ListSchedulerConfig",
+    "PhaseReport",
+    "TuneConfig",
+    "TuneResult",
+    "__version__",
+    "balanced_bounds",
+    "dualpipe_v",
+    "equal_bounds",
+    "exact_schedule",
+    "gpipe",
+    "interleaved_1f1b",
+    "list_schedule",
+    "one_f_one_b",
+    "placement_for",
+    "tune",
+    "v_half",
+    "v_min",
+    "v_placement",
+    "zb_h1",
+    "zb_h2",
+    "zb_v",
+]

@@ -1,0 +1,431 @@
+"""The co-optimizer: partition x placement x schedule, every candidate scored by the simulator.
+
+For each placement family (one stage per rank; interleaved with 2 or 4 chunks
+per rank, which splits every rank's share into finer stages; the V shape) it
+alternates two phases until neither gains (a fixed point), then kicks the
+partition at random (seeded) and descends again:
+
+* **schedule**: for the current partition, every library schedule of the
+  family and the list scheduler under each policy, built from the partition's
+  costs; the best plan within the memory caps is kept as a fixed action order;
+* **partition**: with that order fixed, move one boundary layer between
+  neighbouring stages at a time, the bottleneck rank's boundaries first, then
+  every boundary (this also swaps layers between the warm-up and cool-down
+  stages), taking the best move while it shortens the simulated step.
+
+Memory caps are hard: candidates are ranked first by bytes over the caps, so
+a search that starts over them walks back under, and only a plan within every
+cap is returned. The search stops at a fixed point, after ``max_evaluations``
+simulations or at ``time_budget_s`` (the only non-deterministic stop).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from octopipe.plan.v1 import plan_pb2
+from octopipe.profile.v1 import profile_pb2
+from octopipe.simulate import Estimate, SimulationConfig, simulate
+from octopipe.simulate.ir import validate_plan
+from octopipe.tune.listsched import ListSchedulerConfig
+from octopipe.tune.problem import FAMILIES, LIBRARY, Candidate, Evaluator, Layers, Score, placement_for
+
+__all__ = ["PhaseReport", "TuneConfig", "TuneResult", "balanced_bounds", "equal_bounds", "tune"]
+
+_PRIORITIES: tuple[Literal["backward", "forward"], ...] = ("backward", "forward")
+_POLICIES = tuple(
+    ListSchedulerConfig(priority=priority, split_backward=split, reserve_memory=reserve)
+    for priority in _PRIORITIES
+    for split in (True, False)
+    for reserve in (True, False)
+    if split or reserve
+)
+
+Progress = Callable[[str, int, float], None]
+
+
+@dataclass(kw_only=True, frozen=True)
+class TuneConfig:
+    """What to tune for and how long.
+
+    ``memory_cap_bytes``: one cap for every rank, a cap per rank, or None for
+    the peak of 1F1B on equal layer counts (the most any rank needs there).
+    ``families``: placement families to search (see ``octopipe.tune.FAMILIES``).
+    ``kicks``: random restarts of the partition search per family (``seed``).
+    """
+
+    num_ranks: int
+    num_microbatches: int
+    memory_cap_bytes: int | Mapping[int, int] | None = None
+    families: tuple[str, ...] = FAMILIES
+    list_scheduler: bool = True
+    kicks: int = 2
+    seed: int = 0
+    max_evaluations: int = 3000
+    time_budget_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {self.num_ranks}")
+        if self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        unknown = [f for f in self.families if f not in FAMILIES]
+        if unknown or not self.families:
+            raise ValueError(f"families {unknown or '()'}: choose from {', '.join(FAMILIES)}")
+        if self.kicks < 0 or self.max_evaluations < 1 or not self.time_budget_s > 0:
+            raise ValueError("kicks must be >= 0, max_evaluations >= 1 and time_budget_s > 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class PhaseReport:
+    """One phase of the search: the best step time before and after it."""
+
+    family: str
+    phase: str
+    before_us: float
+    after_us: float
+    evaluations: int
+    seconds: float
+    detail: str = ""
+
+    @property
+    def gain(self) -> float:
+        """before / after (1.0: no gain)."""
+        return self.before_us / self.after_us if self.after_us > 0 else 1.0
+
+
+@dataclass(kw_only=True, frozen=True)
+class TuneResult:
+    """The tuned plan (within every cap, verified), its estimate, the 1F1B baseline and the search's report."""
+
+    plan: plan_pb2.Plan
+    estimate: Estimate
+    baseline: Estimate
+    description: str
+    memory_caps: Mapping[int, int]
+    phases: tuple[PhaseReport, ...] = field(default_factory=tuple)
+    best_by_family: Mapping[str, float] = field(default_factory=dict)
+    evaluations: int = 0
+    seconds: float = 0.0
+    stopped: str = "fixed point"
+
+    @property
+    def speedup(self) -> float:
+        """Baseline step time / tuned step time."""
+        return self.baseline.step_time_us / self.estimate.step_time_us
+
+
+def equal_bounds(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Equal layer counts per stage (the first ``num_layers % num_stages`` stages get one more)."""
+    if num_stages > num_layers:
+        raise ValueError(f"{num_stages} stages need at least as many layers, the profile has {num_layers}")
+    size, extra = divmod(num_layers, num_stages)
+    bounds = [0]
+    for s in range(num_stages):
+        bounds.append(bounds[-1] + size + (1 if s < extra else 0))
+    return tuple(bounds)
+
+
+def balanced_bounds(weights: Sequence[float], num_stages: int) -> tuple[int, ...]:
+    """Contiguous stages minimising the heaviest stage's total weight (bisection + greedy fill)."""
+    n = len(weights)
+    if num_stages > n:
+        raise ValueError(f"{num_stages} stages need at least as many layers, got {n}")
+
+    def fill(limit: float) -> tuple[int, ...] | None:
+        bounds, total = [0], 0.0
+        for i, weight in enumerate(weights):
+            stages_left = num_stages - len(bounds) + 1
+            if (total + weight > limit and i > bounds[-1]) or n - i < stages_left:
+                bounds.append(i)
+                total = 0.0
+                if len(bounds) > num_stages:
+                    return None
+            total += weight
+        if total > limit:
+            return None
+        bounds.extend([n] * (num_stages + 1 - len(bounds)))
+        return tuple(bounds) if all(b < c for b, c in itertools.pairwise(bounds)) else None
+
+    low, high = max(weights), sum(weights)
+    best = fill(high) or equal_bounds(n, num_stages)
+    for _ in range(60):
+        middle = (low + high) / 2
+        found = fill(middle)
+        if found is None:
+            low = middle
+        else:
+            best, high = found, middle
+    return best
+
+
+class _Search:
+    def __init__(self, evaluator: Evaluator, config: TuneConfig, progress: Progress | None) -> None:
+        self.ev, self.config, self.progress = evaluator, config, progress
+        self.start = time.perf_counter()
+        self.rng = random.Random(config.seed)
+        self.phases: list[PhaseReport] = []
+        self.stopped = "fixed point"
+        self.placement: tuple[int, ...] = ()
+
+    def out_of_budget(self) -> bool:
+        if self.ev.evaluations >= self.config.max_evaluations:
+            self.stopped = "evaluation budget"
+            return True
+        if time.perf_counter() - self.start > self.config.time_budget_s:
+            self.stopped = "time budget"
+            return True
+        return False
+
+    def report(self, message: str, best: Score) -> None:
+        if self.progress is not None:
+            self.progress(message, self.ev.evaluations, best.step_time_us)
+
+    def score(self, skeleton: plan_pb2.Plan, bounds: Sequence[int]) -> Score:
+        return self.ev.score_plan(skeleton, self.ev.cost_model(bounds))
+
+    # -- phase c: the schedule for fixed bounds -----------------------------------------------------------------
+    def schedules(self, family: str, bounds: tuple[int, ...]) -> tuple[str, plan_pb2.Plan, Score] | None:
+        placement = placement_for(family, self.config.num_ranks)
+        best: tuple[str, plan_pb2.Plan, Score] | None = None
+        names: list[tuple[str, ListSchedulerConfig | None]] = [(name, None) for name in LIBRARY[family]]
+        if self.config.list_scheduler:
+            names += [("list", policy) for policy in _POLICIES]
+            if family == "linear":  # also 1F1B's warm-up depth: rank r runs at most p-r forwards ahead of its I's
+                ahead = [self.config.num_ranks - r for r in range(self.config.num_ranks)]
+                names += [("list", replace(policy, max_ahead=ahead)) for policy in _POLICIES if policy.split_backward]
+        for name, policy in names:
+            if self.out_of_budget():
+                break
+            candidate = Candidate(bounds=bounds, family=family, placement=placement, schedule=name, policy=policy)
+            found = self.build(candidate)
+            if found is None:
+                continue
+            skeleton, score = found
+            if best is None or score < best[2]:
+                best = (candidate.describe().split(" on ")[0], skeleton, score)
+        return best
+
+    def build(self, candidate: Candidate) -> tuple[plan_pb2.Plan, Score] | None:
+        model = self.ev.cost_model(candidate.bounds)
+        compute = self.ev.compute(candidate, model)
+        if compute is None:
+            return None
+        skeleton = self.ev.assemble(candidate, compute, name="candidate", validate=False)
+        score = self.ev.score_plan(skeleton, model)
+        if candidate.policy is not None and not score.fits and score.estimate is not None:
+            # the list scheduler does not count p2p buffers: keep what went over free, once
+            margins = [
+                max(0, rank.peak_memory_bytes - (rank.memory_cap_bytes or rank.peak_memory_bytes))
+                for rank in score.estimate.ranks
+            ]
+            retry = replace(candidate, policy=replace(candidate.policy, memory_margin_bytes=margins))
+            compute = self.ev.compute(retry, model)
+            if compute is not None:
+                skeleton = self.ev.assemble(retry, compute, name="candidate", validate=False)
+                score = min(score, self.ev.score_plan(skeleton, model))
+        return skeleton, score
+
+    # -- phase a: the partition for a fixed order --------------------------------------------------------------
+    def descend(self, skeleton: plan_pb2.Plan, bounds: tuple[int, ...], score: Score) -> tuple[tuple[int, ...], Score]:
+        while not self.out_of_budget():
+            moves = self.moves(bounds, score, bottleneck=True)
+            found = self.best_move(skeleton, moves, score)
+            if found is None:
+                found = self.best_move(skeleton, self.moves(bounds, score, bottleneck=False), score)
+            if found is None:
+                break
+            bounds, score = found
+        return bounds, score
+
+    def moves(self, bounds: tuple[int, ...], score: Score, *, bottleneck: bool) -> list[tuple[int, ...]]:
+        num_stages = len(bounds) - 1
+        boundaries: Sequence[int] = range(1, num_stages)
+        if bottleneck and score.estimate is not None:
+            busy = [r.busy_us for r in score.estimate.ranks]
+            heaviest = max(range(len(busy)), key=lambda r: (busy[r], -r))
+            stages = [s for s in range(num_stages) if self.placement[s] == heaviest]
+            boundaries = sorted({b for s in stages for b in (s, s + 1) if 0 < b < num_stages})
+        out = []
+        for b in boundaries:
+            for step in (-1, 1):
+                moved = list(bounds)
+                moved[b] += step
+                if moved[b - 1] < moved[b] < moved[b + 1]:
+                    out.append(tuple(moved))
+        return out
+
+    def best_move(
+        self, skeleton: plan_pb2.Plan, moves: list[tuple[int, ...]], score: Score
+    ) -> tuple[tuple[int, ...], Score] | None:
+        best: tuple[tuple[int, ...], Score] | None = None
+        for bounds in moves:
+            if self.out_of_budget():
+                break
+            found = self.score(skeleton, bounds)
+            if found < score and (best is None or found < best[1]):
+                best = (bounds, found)
+        return best
+
+    def kick(self, bounds: tuple[int, ...]) -> tuple[int, ...]:
+        moved = list(bounds)
+        for _ in range(max(1, (len(bounds) - 1) // 4)):
+            b = self.rng.randrange(1, len(bounds) - 1)
+            moved[b] = min(max(moved[b] + self.rng.choice((-2, -1, 1, 2)), moved[b - 1] + 1), moved[b + 1] - 1)
+        return tuple(moved)
+
+    # -- one family --------------------------------------------------------------------------------------------
+    def family(self, family: str, best: Score) -> tuple[Score, plan_pb2.Plan, tuple[int, ...], str] | None:
+        p, n = self.config.num_ranks, len(self.ev.layers)
+        self.placement = placement_for(family, p)
+        num_stages = len(self.placement)
+        if num_stages > n:
+            return None
+        weights = [self.ev.layers.time_us(i) for i in range(n)]
+        found: tuple[Score, plan_pb2.Plan, tuple[int, ...], str] | None = None
+        for bounds in dict.fromkeys([balanced_bounds(weights, num_stages), equal_bounds(n, num_stages)]):
+            chosen = self.schedules(family, bounds)
+            if chosen is not None and (found is None or chosen[2] < found[0]):
+                found = (chosen[2], chosen[1], bounds, chosen[0])
+        if found is None:
+            return None
+        score, skeleton, bounds, name = found
+        self.record(family, "schedule", best, score, name)
+        for attempt in range(self.config.kicks + 1):
+            here_bounds, here_score, here_skeleton, here_name = bounds, score, skeleton, name
+            if attempt:
+                here_bounds = self.kick(bounds)
+                here_score = self.score(skeleton, here_bounds)
+            while not self.out_of_budget():  # alternate partition and schedule until neither gains
+                before = here_score
+                here_bounds, here_score = self.descend(here_skeleton, here_bounds, here_score)
+                self.record(family, "partition" if not attempt else f"partition (kick {attempt})", before, here_score)
+                chosen = self.schedules(family, here_bounds)
+                if chosen is None or not chosen[2] < here_score:
+                    break
+                self.record(family, "schedule", here_score, chosen[2], chosen[0])
+                here_name, here_skeleton, here_score = chosen
+            if here_score < score:
+                bounds, score, skeleton, name = here_bounds, here_score, here_skeleton, here_name
+            self.report(f"{family}: {name}", min(best, score))
+            if self.out_of_budget():
+                break
+        return score, skeleton, bounds, name
+
+    def record(self, family: str, phase: str, before: Score, after: Score, detail: str = "") -> None:
+        self.phases.append(
+            PhaseReport(
+                family=family,
+                phase=phase,
+                before_us=before.step_time_us,
+                after_us=after.step_time_us,
+                evaluations=self.ev.evaluations,
+                seconds=time.perf_counter() - self.start,
+                detail=detail,
+            )
+        )
+
+
+def tune(
+    profile: profile_pb2.Profile,
+    config: TuneConfig,
+    *,
+    progress: Progress | None = None,
+) -> TuneResult:
+    """Search partition x placement x schedule for ``profile`` on ``config.num_ranks`` ranks.
+
+    Returns the best plan found within every memory cap (verified by the
+    simulator), with its estimate, the 1F1B equal-layer-count baseline and a
+    report of what each phase gained. Raises ValueError when nothing fits.
+    ``progress(message, evaluations, best_step_us)`` is called as it goes.
+    """
+    p, m = config.num_ranks, config.num_microbatches
+    layers = Layers.from_profile(profile)
+    if len(layers) < p:
+        raise ValueError(f"{p} ranks need at least {p} layers; the profile has {len(layers)}: use fewer ranks")
+    baseline_candidate = Candidate(
+        bounds=equal_bounds(len(layers), p), family="linear", placement=placement_for("linear", p), schedule="1f1b"
+    )
+    caps = _caps(profile, config, baseline_candidate)
+    evaluator = Evaluator(profile, num_ranks=p, num_microbatches=m, memory_caps=caps)
+    search = _Search(evaluator, config, progress)
+    baseline_plan = evaluator.plan(baseline_candidate, name="1f1b-equal")
+    assert baseline_plan is not None
+    baseline_model = evaluator.cost_model(baseline_candidate.bounds)
+    baseline = simulate(baseline_plan, baseline_model, config=SimulationConfig(enforce_memory_caps=False)).estimate
+    best_score = evaluator.score_plan(baseline_plan, baseline_model)
+    best: tuple[Score, plan_pb2.Plan, tuple[int, ...], str, str] = (
+        best_score,
+        baseline_plan,
+        baseline_candidate.bounds,
+        "1f1b",
+        "linear",
+    )
+    by_family: dict[str, float] = {}
+    for family in config.families:
+        if search.out_of_budget():
+            break
+        found = search.family(family, best[0])
+        if found is None:
+            continue
+        by_family[family] = found[0].step_time_us if found[0].fits else float("inf")
+        if found[0] < best[0]:
+            best = (*found, family)
+    score, skeleton, bounds, name, family = best
+    if not score.fits:
+        raise ValueError(
+            f"no plan fits the memory caps {dict(caps)} (closest: {score.excess_bytes} bytes over): "
+            "raise the caps, use fewer micro-batches in flight (more ranks) or a smaller micro-batch"
+        )
+    plan = _finish(evaluator, skeleton, bounds, family, name)
+    estimate = simulate(plan, evaluator.cost_model(bounds)).estimate  # verifies, enforces caps
+    sizes = [bounds[s + 1] - bounds[s] for s in range(len(bounds) - 1)]
+    return TuneResult(
+        plan=plan,
+        estimate=estimate,
+        baseline=baseline,
+        description=f"{name} on {family} placement, layers per stage {sizes}",
+        memory_caps=caps,
+        phases=tuple(search.phases),
+        best_by_family=by_family,
+        evaluations=evaluator.evaluations,
+        seconds=time.perf_counter() - search.start,
+        stopped=search.stopped,
+    )
+
+
+def _caps(profile: profile_pb2.Profile, config: TuneConfig, baseline: Candidate) -> dict[int, int]:
+    p = config.num_ranks
+    cap = config.memory_cap_bytes
+    if isinstance(cap, int):
+        return dict.fromkeys(range(p), cap)
+    if cap is not None:
+        missing = sorted(set(range(p)) - set(cap))
+        if missing:
+            raise ValueError(f"memory_cap_bytes has no cap for ranks {missing}: give one per rank, or one int")
+        return {r: cap[r] for r in range(p)}
+    evaluator = Evaluator(profile, num_ranks=p, num_microbatches=config.num_microbatches, memory_caps={})
+    plan = evaluator.plan(baseline)
+    assert plan is not None
+    estimate = evaluator.score_plan(plan, evaluator.cost_model(baseline.bounds)).estimate
+    assert estimate is not None
+    return dict.fromkeys(range(p), max(r.peak_memory_bytes for r in estimate.ranks))
+
+
+def _finish(
+    evaluator: Evaluator, skeleton: plan_pb2.Plan, bounds: Sequence[int], family: str, name: str
+) -> plan_pb2.Plan:
+    plan = plan_pb2.Plan()
+    plan.CopyFrom(skeleton)
+    plan.name = f"tuned-{name.split('(')[0]}-{family}-p{evaluator.num_ranks}-m{evaluator.m}"
+    for s, stage in enumerate(plan.stages):
+        del stage.layer_names[:]
+        stage.layer_names.extend(evaluator.layers.names[bounds[s] : bounds[s + 1]])
+    plan.labels["schedule"] = name
+    validate_plan(plan)
+    return plan

@@ -1,0 +1,248 @@
+"""The tuning problem: per-layer costs, candidates (partition x placement x schedule) and their scores.
+
+A :class:`Candidate` names contiguous layer ranges as stages (``bounds``), a
+rank per stage (``placement``) and a schedule: a library generator or the list
+scheduler with a policy. :class:`Evaluator` turns candidates into Plans and
+scores them with the simulator (memory caps reported, not raised: a plan over a
+cap scores by how far over it is, so a search can walk back under the caps).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from octopipe.plan.v1 import plan_pb2
+from octopipe.profile.v1 import profile_pb2
+from octopipe.simulate import CostModel, Estimate, Link, SimulationConfig, StageCost, simulate
+from octopipe.simulate.ir import Action, add_p2p_actions, rank_actions, validate_plan
+from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
+from octopipe.tune.schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_h2
+from octopipe.tune.vshape import dualpipe_v, v_half, v_min, v_placement, zb_v
+
+__all__ = ["FAMILIES", "LIBRARY", "Candidate", "Evaluator", "Layers", "Score", "placement_for"]
+
+# Library generators by placement family: name -> generator(p, m) -> Plan.
+LIBRARY: Mapping[str, Mapping[str, Callable[[int, int], plan_pb2.Plan]]] = {
+    "linear": {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-h2": zb_h2},
+    "interleaved-2": {"interleaved-1f1b": lambda p, m: interleaved_1f1b(p, 2, m)},
+    "interleaved-4": {"interleaved-1f1b": lambda p, m: interleaved_1f1b(p, 4, m)},
+    "v": {"zb-v": zb_v, "v-half": v_half, "v-min": v_min, "dualpipe-v": dualpipe_v},
+}
+FAMILIES = tuple(LIBRARY)
+
+
+def placement_for(family: str, num_ranks: int) -> tuple[int, ...]:
+    """Stage -> rank for a placement family: ``linear``, ``interleaved-2``, ``interleaved-4`` or ``v``."""
+    if family == "linear":
+        return tuple(range(num_ranks))
+    if family.startswith("interleaved-") and family in LIBRARY:
+        chunks = int(family.removeprefix("interleaved-"))
+        return tuple(s % num_ranks for s in range(chunks * num_ranks))
+    if family == "v":
+        return tuple(v_placement(num_ranks))
+    raise ValueError(f"unknown placement family {family!r}: use one of {', '.join(FAMILIES)}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Candidate:
+    """One point of the search: stage s is layers[bounds[s]:bounds[s+1]] on rank placement[s].
+
+    ``schedule`` is a LIBRARY name or ``"list"`` (then ``policy`` configures the list scheduler).
+    """
+
+    bounds: tuple[int, ...]
+    family: str
+    placement: tuple[int, ...]
+    schedule: str
+    policy: ListSchedulerConfig | None = None
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.bounds) - 1
+
+    def describe(self) -> str:
+        sizes = [self.bounds[s + 1] - self.bounds[s] for s in range(self.num_stages)]
+        name = self.schedule
+        if self.policy is not None:
+            split = "I/W" if self.policy.split_backward else "B"
+            memory = "reserve" if self.policy.reserve_memory else "per-stage"
+            name = f"list({self.policy.priority}-first, {split}, {memory})"
+        return f"{name} on {self.family} placement, layers per stage {sizes}"
+
+
+@dataclass(frozen=True)
+class Layers:
+    """Per-layer costs from a Profile, in model order."""
+
+    names: tuple[str, ...]
+    costs: tuple[profile_pb2.LayerCost, ...]
+
+    @classmethod
+    def from_profile(cls, profile: profile_pb2.Profile) -> Layers:
+        if not profile.layers:
+            raise ValueError("the profile has no layers: profile the model first (`octopipe profile`)")
+        names = tuple(layer.layer_name for layer in profile.layers)
+        if len(set(names)) != len(names):
+            raise ValueError("the profile names a layer twice: each LayerCost needs its own layer_name")
+        return cls(names=names, costs=tuple(profile.layers))
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def time_us(self, index: int) -> float:
+        """F + I + W of one layer for one micro-batch."""
+        c = self.costs[index]
+        return c.forward_duration_us + c.backward_input_duration_us + c.backward_weight_duration_us
+
+    def stage_cost(self, start: int, end: int) -> StageCost:
+        costs = self.costs[start:end]
+        saved = sum(c.activation_saved_bytes for c in costs)
+        return StageCost(
+            forward_us=sum(c.forward_duration_us for c in costs),
+            backward_input_us=sum(c.backward_input_duration_us for c in costs),
+            backward_weight_us=sum(c.backward_weight_duration_us for c in costs),
+            activation_bytes=saved,
+            freed_by_backward_input_bytes=min(saved, sum(c.activation_freed_by_backward_input_bytes for c in costs)),
+            parameter_bytes=sum(c.parameter_bytes for c in costs),
+            gradient_bytes=sum(c.gradient_bytes for c in costs),
+            optimizer_state_bytes=sum(c.optimizer_state_bytes for c in costs),
+            output_bytes=sum(t.size_bytes for t in costs[-1].output_tensors) if costs else 0,
+        )
+
+
+@dataclass(frozen=True, order=True)
+class Score:
+    """Lower is better: plans within every cap first, then by bytes over, then by step time."""
+
+    excess_bytes: int
+    step_time_us: float
+    estimate: Estimate | None = field(default=None, compare=False)
+
+    @property
+    def fits(self) -> bool:
+        return self.excess_bytes == 0
+
+    @classmethod
+    def infeasible(cls) -> Score:
+        return cls(excess_bytes=2**62, step_time_us=math.inf)
+
+
+class Evaluator:
+    """Builds and scores candidates for one (profile, p, m, caps); caches library orders."""
+
+    def __init__(
+        self,
+        profile: profile_pb2.Profile,
+        *,
+        num_ranks: int,
+        num_microbatches: int,
+        memory_caps: Mapping[int, int],
+        default_link: Link | None = None,
+    ) -> None:
+        self.layers = Layers.from_profile(profile)
+        self.num_ranks, self.m = num_ranks, num_microbatches
+        self.caps = dict(memory_caps)
+        self.links = {
+            (link.source_rank, link.destination_rank): Link(
+                latency_us=link.latency_us, bandwidth_bytes_per_second=link.bandwidth_bytes_per_second
+            )
+            for link in profile.links
+        }
+        self.default_link = default_link if default_link is not None else (None if self.links else Link())
+        self.microbatch_size = max(1, profile.microbatch_size)
+        self.model = profile.model
+        self.evaluations = 0
+        self._library: dict[tuple[str, str], dict[int, list[Action]] | None] = {}
+
+    def cost_model(self, bounds: Sequence[int]) -> CostModel:
+        stages = tuple(self.layers.stage_cost(bounds[s], bounds[s + 1]) for s in range(len(bounds) - 1))
+        return CostModel(
+            stages=stages, links=self.links, default_link=self.default_link, microbatch_size=self.microbatch_size
+        )
+
+    def library_order(self, family: str, name: str) -> dict[int, list[Action]] | None:
+        """A library schedule's compute order for (p, m), or None where it does not apply."""
+        key = (family, name)
+        if key not in self._library:
+            try:
+                plan = LIBRARY[family][name](self.num_ranks, self.m)
+            except ValueError:
+                self._library[key] = None
+            else:
+                self._library[key] = {
+                    r: [a for a in actions if a.kind.is_compute] for r, actions in rank_actions(plan).items()
+                }
+        return self._library[key]
+
+    def compute(self, candidate: Candidate, model: CostModel) -> dict[int, list[Action]] | None:
+        """The candidate's compute order per rank, or None where its schedule does not apply."""
+        if candidate.schedule != "list":
+            return self.library_order(candidate.family, candidate.schedule)
+        assert candidate.policy is not None
+        try:
+            return list_schedule(model, candidate.placement, self.m, memory_caps=self.caps, config=candidate.policy)
+        except ValueError:  # a cap cannot hold one micro-batch of some rank
+            return None
+
+    def plan(self, candidate: Candidate, *, name: str = "tuned", validate: bool = False) -> plan_pb2.Plan | None:
+        """The candidate's Plan (p2p lowered, caps set), or None where its schedule does not apply."""
+        model = self.cost_model(candidate.bounds)
+        compute = self.compute(candidate, model)
+        if compute is None:
+            return None
+        return self.assemble(candidate, compute, name=name, validate=validate)
+
+    def assemble(
+        self, candidate: Candidate, compute: Mapping[int, Sequence[Action]], *, name: str, validate: bool
+    ) -> plan_pb2.Plan:
+        placement = dict(enumerate(candidate.placement))
+        lowered = add_p2p_actions(compute, placement)
+        plan = plan_pb2.Plan(name=name, num_microbatches=self.m)
+        plan.model.CopyFrom(self.model)
+        for s, rank in enumerate(candidate.placement):
+            names = self.layers.names[candidate.bounds[s] : candidate.bounds[s + 1]]
+            plan.stages.add(stage_index=s, rank=rank, layer_names=names)
+        for rank in range(self.num_ranks):
+            program = plan.ranks.add(rank=rank)
+            if rank in self.caps:
+                program.memory_cap_bytes = self.caps[rank]
+            add = program.actions.add
+            for action in lowered.get(rank, ()):
+                if action.sub_actions:
+                    message = add(kind=action.kind.proto)
+                    for part in action.sub_actions:
+                        message.sub_actions.add(
+                            kind=part.kind.proto, stage_index=part.stage, microbatch_index=part.microbatch
+                        )
+                elif action.microbatch is None:
+                    add(kind=action.kind.proto, stage_index=action.stage)
+                else:
+                    add(kind=action.kind.proto, stage_index=action.stage, microbatch_index=action.microbatch)
+        plan.labels["schedule"] = candidate.schedule
+        plan.labels["placement"] = candidate.family
+        plan.labels["tuned_by"] = "octopipe.tune"
+        if validate:
+            validate_plan(plan)
+        return plan
+
+    def score(self, candidate: Candidate) -> Score:
+        """Simulate the candidate (no critical path); infeasible if its schedule does not apply."""
+        model = self.cost_model(candidate.bounds)
+        compute = self.compute(candidate, model)
+        if compute is None:
+            return Score.infeasible()
+        plan = self.assemble(candidate, compute, name="candidate", validate=False)
+        return self.score_plan(plan, model)
+
+    def score_plan(self, plan: plan_pb2.Plan, model: CostModel) -> Score:
+        self.evaluations += 1
+        config = SimulationConfig(enforce_memory_caps=False, critical_path=False)
+        estimate = simulate(plan, model, config=config).estimate
+        excess = sum(
+            max(0, rank.peak_memory_bytes - rank.memory_cap_bytes)
+            for rank in estimate.ranks
+            if rank.memory_cap_bytes is not None
+        )
+        return Score(excess_bytes=excess, step_time_us=estimate.step_time_us, estimate=estimate)
