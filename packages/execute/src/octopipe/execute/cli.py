@@ -15,7 +15,7 @@ from typing import NoReturn
 
 import structlog
 
-from octopipe.execute import demo, profile_cmd, run_cmd
+from octopipe.execute import demo, profile_cmd, run_cmd, tune_cmd
 from octopipe.execute.logconfig import configure_logging
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate.ir import (
@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     profile_cmd.add_parser(sub)
     run_cmd.add_parser(sub)
+    tune_cmd.add_parser(sub)
 
     run_demo = sub.add_parser("demo", help="the embedded default job (what exists of it so far)")
     run_demo.add_argument("--out", type=Path, default=Path("out/demo"), help="where to write the plan files")
@@ -137,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return profile_cmd.run(args)
         if args.command == "run":
             return run_cmd.run(args)
+        if args.command == "tune":
+            return tune_cmd.run(args)
         if args.command == "demo":
             return demo.run(out=args.out, ranks=args.ranks, microbatches=args.microbatches)
         parser.print_help()

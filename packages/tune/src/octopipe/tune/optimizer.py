@@ -280,7 +280,10 @@ class _Search:
         return tuple(moved)
 
     # -- one family --------------------------------------------------------------------------------------------
-    def family(self, family: str, best: Score) -> tuple[Score, plan_pb2.Plan, tuple[int, ...], str] | None:
+    def family(
+        self, family: str, best: Score, baseline: Score
+    ) -> tuple[Score, plan_pb2.Plan, tuple[int, ...], str] | None:
+        """Search one placement family; phases report against 1F1B on equal counts, then the family's best."""
         p, n = self.config.num_ranks, len(self.ev.layers)
         self.placement = placement_for(family, p)
         num_stages = len(self.placement)
@@ -295,7 +298,7 @@ class _Search:
         if found is None:
             return None
         score, skeleton, bounds, name = found
-        self.record(family, "schedule", best, score, name)
+        self.record(family, "schedule (initial partition)", baseline, score, name)
         for attempt in range(self.config.kicks + 1):
             here_bounds, here_score, here_skeleton, here_name = bounds, score, skeleton, name
             if attempt:
@@ -304,12 +307,16 @@ class _Search:
             while not self.out_of_budget():  # alternate partition and schedule until neither gains
                 before = here_score
                 here_bounds, here_score = self.descend(here_skeleton, here_bounds, here_score)
-                self.record(family, "partition" if not attempt else f"partition (kick {attempt})", before, here_score)
+                if not attempt:
+                    self.record(family, "partition", before, here_score)
                 chosen = self.schedules(family, here_bounds)
                 if chosen is None or not chosen[2] < here_score:
                     break
-                self.record(family, "schedule", here_score, chosen[2], chosen[0])
+                if not attempt:
+                    self.record(family, "schedule", here_score, chosen[2], chosen[0])
                 here_name, here_skeleton, here_score = chosen
+            if attempt:
+                self.record(family, f"random restart {attempt}", score, min(score, here_score))
             if here_score < score:
                 bounds, score, skeleton, name = here_bounds, here_score, here_skeleton, here_name
             self.report(f"{family}: {name}", min(best, score))
@@ -370,7 +377,7 @@ def tune(
     for family in config.families:
         if search.out_of_budget():
             break
-        found = search.family(family, best[0])
+        found = search.family(family, best[0], best_score)
         if found is None:
             continue
         by_family[family] = found[0].step_time_us if found[0].fits else float("inf")
