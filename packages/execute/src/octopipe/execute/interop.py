@@ -1,0 +1,92 @@
+"""torch.distributed.pipelining interop: torch's schedules as Plans, Plans as torch's CSV.
+
+``torch_schedule_plan`` asks torch's own schedule classes for their action
+order (they read only stage indices and sizes, so stand-in stages suffice and no
+process group is formed), turns each cell of it into an octopipe Action, adds
+the point-to-point actions and places the stages as torch does (interleaved:
+stage s on rank s % p; V-shaped schedules: stages s and 2p-1-s on rank s).
+The reverse, a Plan as torch CSV, is ``octopipe.simulate.ir.plan_to_torch_csv``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from octopipe.plan.v1 import plan_pb2
+from octopipe.simulate.ir import Action, StageSpec, add_p2p_actions, build_plan, parse_action
+
+__all__ = ["TORCH_SCHEDULES", "torch_placement", "torch_schedule_plan"]
+
+#: torch schedule class -> stages per rank
+TORCH_SCHEDULES = {
+    "ScheduleGPipe": 1,
+    "Schedule1F1B": 1,
+    "ScheduleInterleaved1F1B": 2,
+    "ScheduleLoopedBFS": 2,
+    "ScheduleInterleavedZeroBubble": 2,
+    "ScheduleZBVZeroBubble": 2,
+    "ScheduleDualPipeV": 2,
+}
+_V_SHAPED = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
+
+
+class _StandIn:
+    """What torch's schedule classes read from a stage to compute their order."""
+
+    def __init__(self, index: int, num_stages: int, rank: int, size: int) -> None:
+        self.stage_index, self.num_stages, self.group_rank, self.group_size = index, num_stages, rank, size
+        self.submod = None
+        self.stage_index_to_group_rank: dict[int, int] = {}
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+
+
+def torch_placement(name: str, num_ranks: int) -> dict[int, int]:
+    """stage -> rank as torch places it for schedule class ``name``."""
+    per_rank = TORCH_SCHEDULES[name]
+    stages = num_ranks * per_rank
+    if name in _V_SHAPED:
+        return {s: s if s < num_ranks else stages - 1 - s for s in range(stages)}
+    return {s: s % num_ranks for s in range(stages)}
+
+
+def torch_schedule_plan(
+    name: str,
+    *,
+    num_ranks: int,
+    num_microbatches: int,
+    layer_names: Sequence[Sequence[str]] | None = None,
+    model: plan_pb2.ModelReference | None = None,
+) -> plan_pb2.Plan:
+    """The Plan of torch's schedule class ``name`` (compute order from torch, p2p lowered here)."""
+    if name not in TORCH_SCHEDULES:
+        raise ValueError(f"unknown torch schedule {name!r}: choose one of {', '.join(TORCH_SCHEDULES)}")
+    from torch.distributed.pipelining import schedules  # noqa: PLC0415
+
+    placement = torch_placement(name, num_ranks)
+    num_stages = len(placement)
+    if layer_names is not None and len(layer_names) != num_stages:
+        raise ValueError(f"{name} on {num_ranks} ranks has {num_stages} stages; layer_names has {len(layer_names)}")
+    cls: Any = getattr(schedules, name)
+    mine = [_StandIn(s, num_stages, 0, num_ranks) for s in sorted(s for s, r in placement.items() if r == 0)]
+    schedule = (
+        cls(mine, num_microbatches)
+        if issubclass(cls, schedules.PipelineScheduleMulti)
+        else cls(mine[0], num_microbatches)
+    )
+    order: dict[int, list[Action]] = {
+        rank: [parse_action(str(a)) for a in actions if a is not None]
+        for rank, actions in schedule.pipeline_order.items()
+    }
+    stages = [
+        StageSpec(rank=placement[s], layer_names=tuple(layer_names[s]) if layer_names else ())
+        for s in range(num_stages)
+    ]
+    return build_plan(
+        stages=stages,
+        actions=add_p2p_actions(order, placement),
+        num_microbatches=num_microbatches,
+        name=f"torch-{name}-p{num_ranks}-m{num_microbatches}",
+        model=model,
+        labels={"schedule": name, "source": "torch.distributed.pipelining"},
+    )
