@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from octopipe.execute.interop import torch_schedule_plan
 from octopipe.execute.runtime import (
     RunFailed,
     build_model,
@@ -88,6 +89,12 @@ def library(workload: str, ranks: int, m: int) -> list[plan_pb2.Plan]:
         zb_h1(ranks, m, layer_names=per_rank),
         interleaved_1f1b(ranks, 2, m, layer_names=per_chunk),
         overlapped_1f1b(ranks, m, layer_names=per_rank),
+        # torch's own orders, imported: V-shaped zero bubble, and DualPipeV with OVERLAP_F_B
+        torch_schedule_plan("ScheduleZBVZeroBubble", num_ranks=ranks, num_microbatches=m, layer_names=per_chunk),
+        torch_schedule_plan("ScheduleDualPipeV", num_ranks=ranks, num_microbatches=m, layer_names=per_chunk),
+        torch_schedule_plan(
+            "ScheduleInterleavedZeroBubble", num_ranks=ranks, num_microbatches=m, layer_names=per_chunk
+        ),
     ]
     for plan in plans:
         plan.model.CopyFrom(reference)

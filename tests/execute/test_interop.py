@@ -1,0 +1,47 @@
+"""torch.distributed.pipelining interop: torch's schedules import as verified Plans, and Plans export to torch's CSV."""
+
+from __future__ import annotations
+
+import pytest
+
+from octopipe.execute.interop import TORCH_SCHEDULES, torch_placement, torch_schedule_plan
+from octopipe.simulate import simulate, uniform_profile
+from octopipe.simulate.ir import PlanError, plan_from_torch_csv, plan_to_torch_csv, rank_actions, stage_ranks
+
+WORKING = [name for name in TORCH_SCHEDULES if name != "Schedule1F1B"]
+
+
+@pytest.mark.parametrize("name", WORKING)
+@pytest.mark.parametrize(("ranks", "m"), [(2, 4), (4, 8)])
+def test_torch_schedules_import_verify_and_simulate(name: str, ranks: int, m: int) -> None:
+    per_rank = TORCH_SCHEDULES[name]
+    names = [[f"layers.{s}"] for s in range(ranks * per_rank)]
+    plan = torch_schedule_plan(name, num_ranks=ranks, num_microbatches=m, layer_names=names)
+    assert stage_ranks(plan) == torch_placement(name, ranks)
+    estimate = simulate(plan, uniform_profile(plan)).estimate
+    assert estimate.step_time_us > 0
+    computations = [
+        p for acts in rank_actions(plan).values() for a in acts if a.kind.is_compute for p in a.computations
+    ]
+    forwards = {(p.stage, p.microbatch) for p in computations if p.kind.name == "FORWARD"}
+    assert forwards == {(s, mb) for s in range(ranks * per_rank) for mb in range(m)}
+    again = plan_from_torch_csv(plan_to_torch_csv(plan), num_microbatches=m)
+    assert rank_actions(again) == rank_actions(plan)
+
+
+def test_placement_of_v_and_interleaved_schedules() -> None:
+    assert torch_placement("ScheduleZBVZeroBubble", 2) == {0: 0, 1: 1, 2: 1, 3: 0}
+    assert torch_placement("ScheduleInterleaved1F1B", 2) == {0: 0, 1: 1, 2: 0, 3: 1}
+
+
+def test_torch_1f1b_order_is_refused_with_the_reason() -> None:
+    # torch 2.13's Schedule1F1B._get_pipeline_order is off by one on the last rank (shared/facts.md)
+    with pytest.raises(PlanError, match="micro-batch 4 is out of range"):
+        torch_schedule_plan("Schedule1F1B", num_ranks=2, num_microbatches=4)
+
+
+def test_unknown_schedule_and_wrong_layer_count() -> None:
+    with pytest.raises(ValueError, match="unknown torch schedule 'ScheduleMagic'"):
+        torch_schedule_plan("ScheduleMagic", num_ranks=2, num_microbatches=4)
+    with pytest.raises(ValueError, match="has 4 stages; layer_names has 2"):
+        torch_schedule_plan("ScheduleZBVZeroBubble", num_ranks=2, num_microbatches=4, layer_names=[["a"], ["b"]])
