@@ -61,16 +61,25 @@ class _StepState:
     losses: list[torch.Tensor] = field(default_factory=list)
 
     def held_bytes(self) -> int:
-        """Bytes of the distinct storages this step's state holds (parameters excluded: they are not here)."""
-        tensors: list[object] = [*self.inputs.values(), *self.outputs.values(), *self.input_grads.values()]
-        tensors += [t for t in self.output_grads.values() if t.dim() > 0]
+        """Bytes of the distinct storages this step's state holds (parameters excluded: they are not here).
+
+        A context's bytes are counted once, when it is first seen, so recording
+        costs little per action; tensors shared between two contexts count twice.
+        """
+        loose: list[object] = [*self.inputs.values(), *self.outputs.values(), *self.input_grads.values()]
+        loose += [t for t in self.output_grads.values() if t.dim() > 0]
+        total = storage_bytes(loose, exclude=self.static)
+        live: dict[int, int] = {}
         for ctx in self.forward_ctx.values():
-            tensors += ctx.saved or []
+            live[id(ctx)] = self.sizes.get(id(ctx)) or storage_bytes(ctx.saved or [], exclude=self.static)
         for wctx in self.weight_ctx.values():
-            tensors += wctx.tensors or []
-        return storage_bytes(tensors, exclude=self.static)
+            if wctx.tensors is not None:
+                live[id(wctx)] = self.sizes.get(id(wctx)) or storage_bytes(wctx.tensors, exclude=self.static)
+        self.sizes = live
+        return total + sum(live.values())
 
     static: list[torch.Tensor] = field(default_factory=list)
+    sizes: dict[int, int] = field(default_factory=dict)
 
 
 class RankRuntime:
