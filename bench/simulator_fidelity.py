@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from octopipe.execute.linkprobe import measure_link
+from octopipe.execute.linkprobe import local_links, measure_link
 from octopipe.execute.runtime import (
     local_cost_model,
     measured_step_times_us,
@@ -92,7 +92,9 @@ def bench_workload(name: str, steps: int, link: Any, *, tiny: bool = False) -> d
     built = build_model(reference)
     tokens, targets = built.batch(0)
     size = tokens.shape[0] // M
-    profile = profile_layers(built.model, tokens[:size], targets[:size], config=ProfilerConfig(repeats=5), links=[link])
+    profile = profile_layers(
+        built.model, tokens[:size], targets[:size], config=ProfilerConfig(repeats=5), links=local_links(link, 2)
+    )
     names = built.model.pipeline_layers()  # type: ignore[operator]
     plans = plans_for(reference, names)
     results = run_local_many(plans, steps=steps, timeout_s=600)

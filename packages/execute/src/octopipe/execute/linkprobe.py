@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from octopipe.profile.v1 import profile_pb2
 
-__all__ = ["DEFAULT_SIZES", "fit_link", "free_port", "measure_link"]
+__all__ = ["DEFAULT_SIZES", "fit_link", "free_port", "local_links", "measure_link"]
 
 DEFAULT_SIZES = (4, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -34,6 +34,22 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def local_links(cost: profile_pb2.LinkCost, num_ranks: int) -> list[profile_pb2.LinkCost]:
+    """``cost`` for every ordered pair of ``num_ranks`` local ranks (a ping-pong measures both directions,
+    and every pair of processes on one machine shares the same loopback)."""
+    return [
+        profile_pb2.LinkCost(
+            source_rank=a,
+            destination_rank=b,
+            latency_us=cost.latency_us,
+            bandwidth_bytes_per_second=cost.bandwidth_bytes_per_second,
+        )
+        for a in range(num_ranks)
+        for b in range(num_ranks)
+        if a != b
+    ]
 
 
 def fit_link(points: Sequence[tuple[int, float]]) -> tuple[float, float]:

@@ -24,6 +24,7 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--microbatch-size", type=int, help="sequences per micro-batch (default: the workload's)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per graph (median reported)")
     parser.add_argument("--link", action="store_true", help="also measure the gloo link between two local ranks")
+    parser.add_argument("--ranks", type=int, default=2, help="--link: write the local link for every pair of N ranks")
     parser.add_argument("--out", type=Path, default=Path("out/profile.binpb"), help=".binpb or .json")
     parser.add_argument("--json", action="store_true", help="print the Profile as JSON instead of a table")
 
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415 - torch loads only for commands that need it
 
     from octopipe.examples import ModelConfig, workload  # noqa: PLC0415
-    from octopipe.execute.linkprobe import measure_link  # noqa: PLC0415
+    from octopipe.execute.linkprobe import local_links, measure_link  # noqa: PLC0415
     from octopipe.plan.v1 import plan_pb2  # noqa: PLC0415
     from octopipe.transform import ProfilerConfig, format_profile, profile_layers  # noqa: PLC0415
 
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     model = chosen.model(seed=0)
     tokens, targets = chosen.batch(seed=0)
     size = args.microbatch_size or chosen.microbatch_size
-    links = [measure_link()[0]] if args.link else []
+    links = local_links(measure_link()[0], args.ranks) if args.link else []
     reference = plan_pb2.ModelReference(name=chosen.name, source="octopipe.examples:workload")
     reference.config["sequence"] = str(chosen.sequence)
     reference.config["tiny"] = str(args.tiny).lower()
