@@ -28,9 +28,9 @@ def add_parser(sub: Any) -> None:
         "--memory-cap", type=int, help="bytes per rank (default: the peak of 1F1B on equal layer counts)"
     )
     parser.add_argument("--families", default=",".join(FAMILIES), help=f"placements to search ({', '.join(FAMILIES)})")
-    parser.add_argument("--time-budget", type=float, default=60.0, help="seconds (default 60)")
+    parser.add_argument("--time-budget", type=float, default=30.0, help="seconds (default 30)")
     parser.add_argument("--max-evaluations", type=int, default=3000, help="simulations at most (default 3000)")
-    parser.add_argument("--kicks", type=int, default=2, help="random restarts of the partition search per placement")
+    parser.add_argument("--kicks", type=int, default=1, help="random restarts of the partition search per placement")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out/tuned.binpb"), help="plan file (.binpb/.pb or .json)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")

@@ -39,14 +39,15 @@ __all__ = ["PhaseReport", "TuneConfig", "TuneResult", "balanced_bounds", "equal_
 
 _PRIORITIES: tuple[Literal["backward", "forward"], ...] = ("backward", "forward")
 _POLICIES = tuple(
-    ListSchedulerConfig(priority=priority, split_backward=split, reserve_memory=reserve)
+    ListSchedulerConfig(priority=priority, reserve_memory=reserve)
     for priority in _PRIORITIES
-    for split in (True, False)
     for reserve in (True, False)
-    if split or reserve
 )
 
 Progress = Callable[[str, int, float], None]
+_REFINE_WITHIN = 1.25  # families whose initial step is further behind the best are not refined,
+_REFINED = 2  # nor those after the two best
+_MOVES = 8  # boundary moves simulated per sweep beyond the bottleneck rank's own
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -64,10 +65,10 @@ class TuneConfig:
     memory_cap_bytes: int | Mapping[int, int] | None = None
     families: tuple[str, ...] = FAMILIES
     list_scheduler: bool = True
-    kicks: int = 2
+    kicks: int = 1
     seed: int = 0
     max_evaluations: int = 3000
-    time_budget_s: float = 60.0
+    time_budget_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -164,6 +165,16 @@ def balanced_bounds(weights: Sequence[float], num_stages: int) -> tuple[int, ...
     return best
 
 
+@dataclass(frozen=True)
+class _Schedule:
+    """A fixed action order (the plan skeleton) and its score on some partition."""
+
+    name: str
+    skeleton: plan_pb2.Plan
+    score: Score
+    policy: ListSchedulerConfig | None
+
+
 class _Search:
     def __init__(self, evaluator: Evaluator, config: TuneConfig, progress: Progress | None) -> None:
         self.ev, self.config, self.progress = evaluator, config, progress
@@ -172,6 +183,10 @@ class _Search:
         self.phases: list[PhaseReport] = []
         self.stopped = "fixed point"
         self.placement: tuple[int, ...] = ()
+        self.library: dict[tuple[str, str], plan_pb2.Plan] = {}
+        self.prefix = list(
+            itertools.accumulate((evaluator.layers.time_us(i) for i in range(len(evaluator.layers))), initial=0.0)
+        )
 
     def out_of_budget(self) -> bool:
         if self.ev.evaluations >= self.config.max_evaluations:
@@ -190,60 +205,75 @@ class _Search:
         return self.ev.score_plan(skeleton, self.ev.cost_model(bounds))
 
     # -- phase c: the schedule for fixed bounds -----------------------------------------------------------------
-    def schedules(self, family: str, bounds: tuple[int, ...]) -> tuple[str, plan_pb2.Plan, Score] | None:
+    def policies(self, family: str) -> list[ListSchedulerConfig]:
+        if not self.config.list_scheduler:
+            return []
+        policies = list(_POLICIES)
+        if family == "linear":  # also 1F1B's warm-up depth: rank r runs at most p-r forwards ahead of its I's
+            ahead = [self.config.num_ranks - r for r in range(self.config.num_ranks)]
+            policies += [replace(policy, max_ahead=ahead) for policy in _POLICIES if policy.reserve_memory]
+        return policies
+
+    def schedules(
+        self, family: str, bounds: tuple[int, ...], policies: Sequence[ListSchedulerConfig]
+    ) -> _Schedule | None:
+        """The best of the family's library schedules and the list scheduler under ``policies``."""
         placement = placement_for(family, self.config.num_ranks)
-        best: tuple[str, plan_pb2.Plan, Score] | None = None
-        names: list[tuple[str, ListSchedulerConfig | None]] = [(name, None) for name in LIBRARY[family]]
-        if self.config.list_scheduler:
-            names += [("list", policy) for policy in _POLICIES]
-            if family == "linear":  # also 1F1B's warm-up depth: rank r runs at most p-r forwards ahead of its I's
-                ahead = [self.config.num_ranks - r for r in range(self.config.num_ranks)]
-                names += [("list", replace(policy, max_ahead=ahead)) for policy in _POLICIES if policy.split_backward]
-        for name, policy in names:
+        best: _Schedule | None = None
+        options: list[tuple[str, ListSchedulerConfig | None]] = [(name, None) for name in LIBRARY[family]]
+        options += [("list", policy) for policy in policies]
+        for name, policy in options:
             if self.out_of_budget():
                 break
             candidate = Candidate(bounds=bounds, family=family, placement=placement, schedule=name, policy=policy)
             found = self.build(candidate)
-            if found is None:
-                continue
-            skeleton, score = found
-            if best is None or score < best[2]:
-                best = (candidate.describe().split(" on ")[0], skeleton, score)
+            if found is not None and (best is None or found.score < best.score):
+                best = found
         return best
 
-    def build(self, candidate: Candidate) -> tuple[plan_pb2.Plan, Score] | None:
+    def build(self, candidate: Candidate) -> _Schedule | None:
         model = self.ev.cost_model(candidate.bounds)
-        compute = self.ev.compute(candidate, model)
-        if compute is None:
-            return None
-        skeleton = self.ev.assemble(candidate, compute, name="candidate", validate=False)
+        key = (candidate.family, candidate.schedule)
+        if candidate.policy is None and key in self.library:
+            skeleton = self.library[key]
+        else:
+            compute = self.ev.compute(candidate, model)
+            if compute is None:
+                return None
+            skeleton = self.ev.assemble(candidate, compute, name="candidate", validate=False)
+            if candidate.policy is None:
+                self.library[key] = skeleton
+        name = candidate.describe().split(" on ")[0]
         score = self.ev.score_plan(skeleton, model)
-        if candidate.policy is not None and not score.fits and score.estimate is not None:
+        policy = candidate.policy
+        if policy is not None and not score.fits and score.estimate is not None:
             # the list scheduler does not count p2p buffers: keep what went over free, once
             margins = [
                 max(0, rank.peak_memory_bytes - (rank.memory_cap_bytes or rank.peak_memory_bytes))
                 for rank in score.estimate.ranks
             ]
-            retry = replace(candidate, policy=replace(candidate.policy, memory_margin_bytes=margins))
+            retry = replace(candidate, policy=replace(policy, memory_margin_bytes=margins))
             compute = self.ev.compute(retry, model)
             if compute is not None:
-                skeleton = self.ev.assemble(retry, compute, name="candidate", validate=False)
-                score = min(score, self.ev.score_plan(skeleton, model))
-        return skeleton, score
+                retried = self.ev.assemble(retry, compute, name="candidate", validate=False)
+                retry_score = self.ev.score_plan(retried, model)
+                if retry_score < score:
+                    skeleton, score, policy = retried, retry_score, retry.policy
+        return _Schedule(name=name, skeleton=skeleton, score=score, policy=policy)
 
     # -- phase a: the partition for a fixed order --------------------------------------------------------------
     def descend(self, skeleton: plan_pb2.Plan, bounds: tuple[int, ...], score: Score) -> tuple[tuple[int, ...], Score]:
         while not self.out_of_budget():
-            moves = self.moves(bounds, score, bottleneck=True)
-            found = self.best_move(skeleton, moves, score)
+            found = self.first_better(skeleton, self.moves(bounds, score, bottleneck=True), score)
             if found is None:
-                found = self.best_move(skeleton, self.moves(bounds, score, bottleneck=False), score)
+                found = self.first_better(skeleton, self.moves(bounds, score, bottleneck=False), score)
             if found is None:
                 break
             bounds, score = found
         return bounds, score
 
     def moves(self, bounds: tuple[int, ...], score: Score, *, bottleneck: bool) -> list[tuple[int, ...]]:
+        """One-layer boundary moves, the most promising (by rank-load balance) first, at most ``_MOVES``."""
         num_stages = len(bounds) - 1
         boundaries: Sequence[int] = range(1, num_stages)
         if bottleneck and score.estimate is not None:
@@ -258,19 +288,27 @@ class _Search:
                 moved[b] += step
                 if moved[b - 1] < moved[b] < moved[b + 1]:
                     out.append(tuple(moved))
-        return out
+        out.sort(key=self.imbalance)
+        return out if bottleneck else out[:_MOVES]
 
-    def best_move(
+    def imbalance(self, bounds: Sequence[int]) -> tuple[float, float]:
+        """The heaviest rank's F+I+W per micro-batch, then the spread of all ranks' (a cheap proxy)."""
+        loads = [0.0] * self.config.num_ranks
+        for s, rank in enumerate(self.placement):
+            loads[rank] += self.prefix[bounds[s + 1]] - self.prefix[bounds[s]]
+        mean = sum(loads) / len(loads)
+        return max(loads), sum(abs(load - mean) for load in loads)
+
+    def first_better(
         self, skeleton: plan_pb2.Plan, moves: list[tuple[int, ...]], score: Score
     ) -> tuple[tuple[int, ...], Score] | None:
-        best: tuple[tuple[int, ...], Score] | None = None
         for bounds in moves:
             if self.out_of_budget():
                 break
             found = self.score(skeleton, bounds)
-            if found < score and (best is None or found < best[1]):
-                best = (bounds, found)
-        return best
+            if found < score:
+                return bounds, found
+        return None
 
     def kick(self, bounds: tuple[int, ...]) -> tuple[int, ...]:
         moved = list(bounds)
@@ -280,49 +318,55 @@ class _Search:
         return tuple(moved)
 
     # -- one family --------------------------------------------------------------------------------------------
-    def family(
-        self, family: str, best: Score, baseline: Score
-    ) -> tuple[Score, plan_pb2.Plan, tuple[int, ...], str] | None:
-        """Search one placement family; phases report against 1F1B on equal counts, then the family's best."""
+    def initial(self, family: str, baseline: Score) -> tuple[_Schedule, tuple[int, ...]] | None:
+        """Phase c on the balanced and the equal partition: the family's starting point."""
         p, n = self.config.num_ranks, len(self.ev.layers)
         self.placement = placement_for(family, p)
         num_stages = len(self.placement)
         if num_stages > n:
             return None
         weights = [self.ev.layers.time_us(i) for i in range(n)]
-        found: tuple[Score, plan_pb2.Plan, tuple[int, ...], str] | None = None
-        for bounds in dict.fromkeys([balanced_bounds(weights, num_stages), equal_bounds(n, num_stages)]):
-            chosen = self.schedules(family, bounds)
-            if chosen is not None and (found is None or chosen[2] < found[0]):
-                found = (chosen[2], chosen[1], bounds, chosen[0])
-        if found is None:
-            return None
-        score, skeleton, bounds, name = found
-        self.record(family, "schedule (initial partition)", baseline, score, name)
+        found: tuple[_Schedule, tuple[int, ...]] | None = None
+        balanced = balanced_bounds(weights, num_stages)
+        for bounds in dict.fromkeys([balanced, equal_bounds(n, num_stages)]):
+            chosen = self.schedules(family, bounds, self.policies(family) if bounds == balanced else ())
+            if chosen is not None and (found is None or chosen.score < found[0].score):
+                found = (chosen, bounds)
+        if found is not None:
+            self.record(family, "schedule (initial partition)", baseline, found[0].score, found[0].name)
+            self.report(f"{family}: {found[0].name}", found[0].score)
+        return found
+
+    def refine(self, family: str, start: _Schedule, bounds: tuple[int, ...]) -> tuple[_Schedule, tuple[int, ...]]:
+        """Alternate phases a and c from ``start`` to a fixed point, then from random kicks of the partition."""
+        self.placement = placement_for(family, self.config.num_ranks)
+        best = start
         for attempt in range(self.config.kicks + 1):
-            here_bounds, here_score, here_skeleton, here_name = bounds, score, skeleton, name
+            here, here_bounds = best, bounds
             if attempt:
                 here_bounds = self.kick(bounds)
-                here_score = self.score(skeleton, here_bounds)
+                here = replace(here, score=self.score(here.skeleton, here_bounds))
             while not self.out_of_budget():  # alternate partition and schedule until neither gains
-                before = here_score
-                here_bounds, here_score = self.descend(here_skeleton, here_bounds, here_score)
+                before = here.score
+                here_bounds, moved = self.descend(here.skeleton, here_bounds, here.score)
+                here = replace(here, score=moved)
                 if not attempt:
-                    self.record(family, "partition", before, here_score)
-                chosen = self.schedules(family, here_bounds)
-                if chosen is None or not chosen[2] < here_score:
+                    self.record(family, "partition", before, moved)
+                policies = [here.policy] if here.policy is not None else []
+                chosen = self.schedules(family, here_bounds, policies)
+                if chosen is None or not chosen.score < here.score:
                     break
                 if not attempt:
-                    self.record(family, "schedule", here_score, chosen[2], chosen[0])
-                here_name, here_skeleton, here_score = chosen
+                    self.record(family, "schedule", here.score, chosen.score, chosen.name)
+                here = chosen
             if attempt:
-                self.record(family, f"random restart {attempt}", score, min(score, here_score))
-            if here_score < score:
-                bounds, score, skeleton, name = here_bounds, here_score, here_skeleton, here_name
-            self.report(f"{family}: {name}", min(best, score))
+                self.record(family, f"random restart {attempt}", best.score, min(best.score, here.score))
+            if here.score < best.score:
+                best, bounds = here, here_bounds
+            self.report(f"{family}: {best.name}", best.score)
             if self.out_of_budget():
                 break
-        return score, skeleton, bounds, name
+        return best, bounds
 
     def record(self, family: str, phase: str, before: Score, after: Score, detail: str = "") -> None:
         self.phases.append(
@@ -374,15 +418,24 @@ def tune(
         "linear",
     )
     by_family: dict[str, float] = {}
+    starts: list[tuple[Score, str, _Schedule, tuple[int, ...]]] = []
     for family in config.families:
         if search.out_of_budget():
             break
-        found = search.family(family, best[0], best_score)
-        if found is None:
-            continue
-        by_family[family] = found[0].step_time_us if found[0].fits else float("inf")
-        if found[0] < best[0]:
-            best = (*found, family)
+        found = search.initial(family, best_score)
+        if found is not None:
+            starts.append((found[0].score, family, *found))
+    starts.sort(key=lambda item: item[0])
+    for index, (score, family, schedule, bounds) in enumerate(starts):
+        within = score.fits and score.step_time_us <= _REFINE_WITHIN * starts[0][0].step_time_us
+        if (index and not within) or index >= _REFINED or search.out_of_budget():
+            why = "out of budget" if search.out_of_budget() else f"not among the {_REFINED} best initial steps"
+            search.record(family, "not refined", score, score, why)
+        else:
+            schedule, bounds = search.refine(family, schedule, bounds)
+        by_family[family] = schedule.score.step_time_us if schedule.score.fits else float("inf")
+        if schedule.score < best[0]:
+            best = (schedule.score, schedule.skeleton, bounds, schedule.name, family)
     score, skeleton, bounds, name, family = best
     if not score.fits:
         raise ValueError(
