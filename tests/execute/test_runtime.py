@@ -18,8 +18,21 @@ from octopipe.execute.runtime import (
     workload_reference,
 )
 from octopipe.plan.v1 import plan_pb2
+from octopipe.simulate import uniform_profile
 from octopipe.simulate.ir import Action, ActionKind, StageSpec, add_p2p_actions, build_plan, rank_actions
-from octopipe.tune import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
+from octopipe.tune import (
+    TuneConfig,
+    dualpipe_v,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    tune,
+    v_half,
+    v_min,
+    zb_h1,
+    zb_h2,
+    zb_v,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -77,6 +90,17 @@ def overlapped_1f1b(ranks: int, m: int, *, layer_names: list[list[str]]) -> plan
     )
 
 
+def tuned(names: list[str], ranks: int, m: int) -> plan_pb2.Plan:
+    """What the co-optimizer makes of a heterogeneous profile: uneven stages, any schedule it likes."""
+    profile = uniform_profile(names, num_ranks=ranks, activation_bytes=1 << 20, output_bytes=1 << 16)
+    for index, layer in enumerate(profile.layers):  # every third layer three times as slow (a Mamba among MLPs)
+        if index % 3 == 1:
+            layer.forward_duration_us *= 3
+            layer.backward_input_duration_us *= 3
+            layer.backward_weight_duration_us *= 3
+    return tune(profile, TuneConfig(num_ranks=ranks, num_microbatches=m, time_budget_s=10)).plan
+
+
 def library(workload: str, ranks: int, m: int) -> list[plan_pb2.Plan]:
     """Every schedule the runtime must run, for one model and rank count."""
     reference = workload_reference(workload, tiny=True, sequence=8, global_batch=2 * m)
@@ -89,6 +113,12 @@ def library(workload: str, ranks: int, m: int) -> list[plan_pb2.Plan]:
         zb_h1(ranks, m, layer_names=per_rank),
         interleaved_1f1b(ranks, 2, m, layer_names=per_chunk),
         overlapped_1f1b(ranks, m, layer_names=per_rank),
+        zb_h2(ranks, m, layer_names=per_rank),
+        zb_v(ranks, m, layer_names=per_chunk),
+        v_half(ranks, m, layer_names=per_chunk),
+        v_min(ranks, m, layer_names=per_chunk),
+        dualpipe_v(ranks, m, layer_names=per_chunk),
+        tuned(names, ranks, m),
         # torch's own orders, imported: V-shaped zero bubble, and DualPipeV with OVERLAP_F_B
         torch_schedule_plan("ScheduleZBVZeroBubble", num_ranks=ranks, num_microbatches=m, layer_names=per_chunk),
         torch_schedule_plan("ScheduleDualPipeV", num_ranks=ranks, num_microbatches=m, layer_names=per_chunk),
