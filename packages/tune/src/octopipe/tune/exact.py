@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate import CostModel, Estimate, StageSpec, build_plan, simulate
-from octopipe.simulate.ir import Action, ActionKind, add_p2p_actions
+from octopipe.simulate import CostModel, Estimate, SimulationConfig, StageSpec, build_plan, simulate
+from octopipe.simulate.ir import Action, ActionKind, add_p2p_actions, parse_action
 
 __all__ = ["ExactResult", "exact_schedule"]
 
@@ -60,10 +60,14 @@ def exact_schedule(
     memory_caps: Mapping[int, int] | None = None,
     time_limit_s: float = 60.0,
     upper_bound_us: float | None = None,
+    initial: Mapping[int, Sequence[Action]] | None = None,
 ) -> ExactResult:
     """Solve the scheduling MILP (see the module doc) with HiGHS; return the best schedule found.
 
-    ``upper_bound_us`` (e.g. a heuristic's step time) tightens the model.
+    ``upper_bound_us`` (e.g. a heuristic's step time) tightens the model;
+    ``initial`` (a heuristic's compute order per rank, F/I/W/B, within the
+    caps) is given to the solver as its first solution, so the result is
+    never worse than it.
     Raises ValueError when the caps make the problem infeasible, and
     ImportError (saying which extra to install) without highspy.
     """
@@ -82,7 +86,11 @@ def exact_schedule(
     highs.setOptionValue("time_limit", float(time_limit_s))
     highs.setOptionValue("random_seed", 0)
     makespan = model.build(highs)
-    highs.minimize(makespan)
+    highs.changeColCost(makespan.index, 1.0)
+    highs.changeObjectiveSense(highspy.ObjSense.kMinimize)
+    if initial is not None:  # after the objective is set: changing it drops a given solution
+        model.start_from(highs, initial, makespan)
+    highs.run()
     status = highs.getModelStatus()
     info = highs.getInfo()
     if info.primal_solution_status != 2:  # no feasible solution
@@ -231,6 +239,41 @@ class _Model:
                     raise ValueError(f"rank {rank}'s cap cannot hold its static bytes and one forward")
                 continue
             highs.addConstr(held <= budget)
+
+    def start_from(self, highs: Any, initial: Mapping[int, Sequence[Action]], makespan: Any) -> None:
+        """Give the solver the schedule ``initial`` (timed by the simulator) as a starting solution."""
+        import highspy  # noqa: PLC0415 - optional: the `exact` extra
+
+        plan = build_plan(
+            stages=[StageSpec(rank=r) for r in self.placement],
+            actions=add_p2p_actions(initial, dict(enumerate(self.placement))),
+            num_microbatches=self.m,
+        )
+        simulation = simulate(plan, self.costs, config=SimulationConfig(enforce_memory_caps=False, critical_path=False))
+        start = [0.0] * len(self.ops)
+        for timing in simulation.timeline():
+            if timing.stream != "compute":
+                continue
+            action = parse_action(timing.action)
+            for part in action.computations:
+                assert part.microbatch is not None
+                if part.kind is ActionKind.FULL_BACKWARD:
+                    start[self.index[_I, part.stage, part.microbatch]] = timing.start_us
+                    start[self.index[_W, part.stage, part.microbatch]] = timing.start_us + self.costs.duration_us(
+                        part.stage, _I
+                    )
+                else:
+                    start[self.index[part.kind, part.stage, part.microbatch]] = timing.start_us
+        values = [0.0] * highs.getNumCol()
+        for i, variable in enumerate(self.starts):
+            values[variable.index] = start[i]
+        values[makespan.index] = max(start[i] + self.duration[i] for i in range(len(self.ops)))
+        for (i, j), y in self.before.items():
+            if not isinstance(y, int):
+                values[y.index] = 1.0 if start[i] < start[j] else 0.0
+        solution = highspy.HighsSolution()
+        solution.col_value = values
+        highs.setSolution(solution)
 
     def order(self, highs: Any) -> dict[int, list[Action]]:
         values = [highs.val(v) for v in self.starts]

@@ -30,12 +30,22 @@ from typing import Literal
 
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import Estimate, SimulationConfig, simulate
+from octopipe.simulate import Estimate, OverlapModel, SimulationConfig, simulate
 from octopipe.simulate.ir import validate_plan
 from octopipe.tune.listsched import ListSchedulerConfig
-from octopipe.tune.problem import FAMILIES, LIBRARY, Candidate, Evaluator, Layers, Score, placement_for
+from octopipe.tune.problem import (
+    FAMILIES,
+    LIBRARY,
+    Candidate,
+    Evaluator,
+    Layers,
+    Score,
+    balanced_bounds,
+    equal_bounds,
+    placement_for,
+)
 
-__all__ = ["PhaseReport", "TuneConfig", "TuneResult", "balanced_bounds", "equal_bounds", "tune"]
+__all__ = ["PhaseReport", "TuneConfig", "TuneResult", "tune"]
 
 _PRIORITIES: tuple[Literal["backward", "forward"], ...] = ("backward", "forward")
 _POLICIES = tuple(
@@ -58,6 +68,12 @@ class TuneConfig:
     the peak of 1F1B on equal layer counts (the most any rank needs there).
     ``families``: placement families to search (see ``octopipe.tune.FAMILIES``).
     ``kicks``: random restarts of the partition search per family (``seed``).
+    ``overlap_hidden_fraction``: how much of the shorter half of an
+    OVERLAP_F_B unit (DualPipeV) is hidden: 0 (the default) costs F + B,
+    since overlapping hides communication, not compute; 1 is the
+    simulator's optimistic default max(F, B). (Measured fused times are not
+    used: a Profile's FusedCost names fixed layer lists, the tuner's stages
+    change.)
     """
 
     num_ranks: int
@@ -67,6 +83,7 @@ class TuneConfig:
     list_scheduler: bool = True
     kicks: int = 1
     seed: int = 0
+    overlap_hidden_fraction: float = 0.0
     max_evaluations: int = 3000
     time_budget_s: float = 30.0
 
@@ -78,6 +95,8 @@ class TuneConfig:
         unknown = [f for f in self.families if f not in FAMILIES]
         if unknown or not self.families:
             raise ValueError(f"families {unknown or '()'}: choose from {', '.join(FAMILIES)}")
+        if not 0.0 <= self.overlap_hidden_fraction <= 1.0:
+            raise ValueError(f"overlap_hidden_fraction must be in [0, 1], got {self.overlap_hidden_fraction}")
         if self.kicks < 0 or self.max_evaluations < 1 or not self.time_budget_s > 0:
             raise ValueError("kicks must be >= 0, max_evaluations >= 1 and time_budget_s > 0")
 
@@ -119,50 +138,6 @@ class TuneResult:
     def speedup(self) -> float:
         """Baseline step time / tuned step time."""
         return self.baseline.step_time_us / self.estimate.step_time_us
-
-
-def equal_bounds(num_layers: int, num_stages: int) -> tuple[int, ...]:
-    """Equal layer counts per stage (the first ``num_layers % num_stages`` stages get one more)."""
-    if num_stages > num_layers:
-        raise ValueError(f"{num_stages} stages need at least as many layers, the profile has {num_layers}")
-    size, extra = divmod(num_layers, num_stages)
-    bounds = [0]
-    for s in range(num_stages):
-        bounds.append(bounds[-1] + size + (1 if s < extra else 0))
-    return tuple(bounds)
-
-
-def balanced_bounds(weights: Sequence[float], num_stages: int) -> tuple[int, ...]:
-    """Contiguous stages minimising the heaviest stage's total weight (bisection + greedy fill)."""
-    n = len(weights)
-    if num_stages > n:
-        raise ValueError(f"{num_stages} stages need at least as many layers, got {n}")
-
-    def fill(limit: float) -> tuple[int, ...] | None:
-        bounds, total = [0], 0.0
-        for i, weight in enumerate(weights):
-            stages_left = num_stages - len(bounds) + 1
-            if (total + weight > limit and i > bounds[-1]) or n - i < stages_left:
-                bounds.append(i)
-                total = 0.0
-                if len(bounds) > num_stages:
-                    return None
-            total += weight
-        if total > limit:
-            return None
-        bounds.extend([n] * (num_stages + 1 - len(bounds)))
-        return tuple(bounds) if all(b < c for b, c in itertools.pairwise(bounds)) else None
-
-    low, high = max(weights), sum(weights)
-    best = fill(high) or equal_bounds(n, num_stages)
-    for _ in range(60):
-        middle = (low + high) / 2
-        found = fill(middle)
-        if found is None:
-            low = middle
-        else:
-            best, high = found, middle
-    return best
 
 
 @dataclass(frozen=True)
@@ -403,7 +378,8 @@ def tune(
         bounds=equal_bounds(len(layers), p), family="linear", placement=placement_for("linear", p), schedule="1f1b"
     )
     caps = _caps(profile, config, baseline_candidate)
-    evaluator = Evaluator(profile, num_ranks=p, num_microbatches=m, memory_caps=caps)
+    overlap = OverlapModel(hidden_fraction=config.overlap_hidden_fraction)
+    evaluator = Evaluator(profile, num_ranks=p, num_microbatches=m, memory_caps=caps, overlap=overlap)
     search = _Search(evaluator, config, progress)
     baseline_plan = evaluator.plan(baseline_candidate, name="1f1b-equal")
     assert baseline_plan is not None

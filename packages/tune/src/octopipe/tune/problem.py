@@ -9,19 +9,30 @@ cap scores by how far over it is, so a search can walk back under the caps).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import CostModel, Estimate, Link, SimulationConfig, StageCost, simulate
+from octopipe.simulate import CostModel, Estimate, Link, OverlapModel, SimulationConfig, StageCost, simulate
 from octopipe.simulate.ir import Action, add_p2p_actions, rank_actions, validate_plan
 from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
 from octopipe.tune.schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_h2
 from octopipe.tune.vshape import dualpipe_v, v_half, v_min, v_placement, zb_v
 
-__all__ = ["FAMILIES", "LIBRARY", "Candidate", "Evaluator", "Layers", "Score", "placement_for"]
+__all__ = [
+    "FAMILIES",
+    "LIBRARY",
+    "Candidate",
+    "Evaluator",
+    "Layers",
+    "Score",
+    "balanced_bounds",
+    "equal_bounds",
+    "placement_for",
+]
 
 # Library generators by placement family: name -> generator(p, m) -> Plan.
 LIBRARY: Mapping[str, Mapping[str, Callable[[int, int], plan_pb2.Plan]]] = {
@@ -140,6 +151,7 @@ class Evaluator:
         num_microbatches: int,
         memory_caps: Mapping[int, int],
         default_link: Link | None = None,
+        overlap: OverlapModel | None = None,
     ) -> None:
         self.layers = Layers.from_profile(profile)
         self.num_ranks, self.m = num_ranks, num_microbatches
@@ -152,6 +164,8 @@ class Evaluator:
         }
         self.default_link = default_link if default_link is not None else (None if self.links else Link())
         self.microbatch_size = max(1, profile.microbatch_size)
+        # OVERLAP_F_B units cost F + B by default: overlapping hides communication, not compute
+        self.overlap = overlap if overlap is not None else OverlapModel(hidden_fraction=0.0)
         self.model = profile.model
         self.evaluations = 0
         self._library: dict[tuple[str, str], dict[int, list[Action]] | None] = {}
@@ -159,7 +173,11 @@ class Evaluator:
     def cost_model(self, bounds: Sequence[int]) -> CostModel:
         stages = tuple(self.layers.stage_cost(bounds[s], bounds[s + 1]) for s in range(len(bounds) - 1))
         return CostModel(
-            stages=stages, links=self.links, default_link=self.default_link, microbatch_size=self.microbatch_size
+            stages=stages,
+            links=self.links,
+            default_link=self.default_link,
+            overlap=self.overlap,
+            microbatch_size=self.microbatch_size,
         )
 
     def library_order(self, family: str, name: str) -> dict[int, list[Action]] | None:
@@ -246,3 +264,47 @@ class Evaluator:
             if rank.memory_cap_bytes is not None
         )
         return Score(excess_bytes=excess, step_time_us=estimate.step_time_us, estimate=estimate)
+
+
+def equal_bounds(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Equal layer counts per stage (the first ``num_layers % num_stages`` stages get one more)."""
+    if num_stages > num_layers:
+        raise ValueError(f"{num_stages} stages need at least as many layers, the profile has {num_layers}")
+    size, extra = divmod(num_layers, num_stages)
+    bounds = [0]
+    for s in range(num_stages):
+        bounds.append(bounds[-1] + size + (1 if s < extra else 0))
+    return tuple(bounds)
+
+
+def balanced_bounds(weights: Sequence[float], num_stages: int) -> tuple[int, ...]:
+    """Contiguous stages minimising the heaviest stage's total weight (bisection + greedy fill)."""
+    n = len(weights)
+    if num_stages > n:
+        raise ValueError(f"{num_stages} stages need at least as many layers, got {n}")
+
+    def fill(limit: float) -> tuple[int, ...] | None:
+        bounds, total = [0], 0.0
+        for i, weight in enumerate(weights):
+            stages_left = num_stages - len(bounds) + 1
+            if (total + weight > limit and i > bounds[-1]) or n - i < stages_left:
+                bounds.append(i)
+                total = 0.0
+                if len(bounds) > num_stages:
+                    return None
+            total += weight
+        if total > limit:
+            return None
+        bounds.extend([n] * (num_stages + 1 - len(bounds)))
+        return tuple(bounds) if all(b < c for b, c in itertools.pairwise(bounds)) else None
+
+    low, high = max(weights), sum(weights)
+    best = fill(high) or equal_bounds(n, num_stages)
+    for _ in range(60):
+        middle = (low + high) / 2
+        found = fill(middle)
+        if found is None:
+            low = middle
+        else:
+            best, high = found, middle
+    return best
