@@ -222,6 +222,14 @@ def test_tune_never_returns_a_plan_over_the_caps(seed: int, p: int, k: int, n_ex
         assert result.estimate.step_time_us <= result.baseline.step_time_us
 
 
+@pytest.mark.parametrize(("p", "m"), [(1, 1), (1, 4), (2, 1), (3, 2)])
+def test_tune_on_degenerate_sizes(p: int, m: int) -> None:
+    profile = profile_of([(1.0, 2.0, 1.0, 10)] * 6)
+    result = tune(profile, TuneConfig(num_ranks=p, num_microbatches=m))
+    verify_plan(result.plan, CostModel.from_profile(result.plan, profile, default_link=Link()))
+    assert result.estimate.step_time_us <= result.baseline.step_time_us
+
+
 def test_tune_config_says_what_to_change() -> None:
     with pytest.raises(ValueError, match="families"):
         TuneConfig(num_ranks=2, num_microbatches=2, families=("ring",))

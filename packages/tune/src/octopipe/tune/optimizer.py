@@ -287,6 +287,8 @@ class _Search:
 
     def kick(self, bounds: tuple[int, ...]) -> tuple[int, ...]:
         moved = list(bounds)
+        if len(bounds) < 3:  # one stage: nothing to move
+            return bounds
         for _ in range(max(1, (len(bounds) - 1) // 4)):
             b = self.rng.randrange(1, len(bounds) - 1)
             moved[b] = min(max(moved[b] + self.rng.choice((-2, -1, 1, 2)), moved[b - 1] + 1), moved[b + 1] - 1)
