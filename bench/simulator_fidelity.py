@@ -43,22 +43,9 @@ from octopipe.execute.runtime.models import build_model
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import durations_from_timelines, simulate
 from octopipe.transform import ProfilerConfig, profile_layers
-from octopipe.tune import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
+from octopipe.tune import equal_partition, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 
 M = 8
-
-
-def equal_partition(names: list[str], stages: int) -> list[list[str]]:
-    body = names[1:-1]
-    size, extra = divmod(len(body), stages)
-    parts, start = [], 0
-    for s in range(stages):
-        end = start + size + (1 if s < extra else 0)
-        parts.append(body[start:end])
-        start = end
-    parts[0].insert(0, names[0])
-    parts[-1].append(names[-1])
-    return parts
 
 
 def plans_for(reference: plan_pb2.ModelReference, names: list[str]) -> list[plan_pb2.Plan]:

@@ -35,22 +35,9 @@ from octopipe.execute.linkprobe import free_port
 from octopipe.execute.runtime import measured_step_times_us, run_local, workload_reference
 from octopipe.execute.runtime.models import build_model
 from octopipe.plan.v1 import plan_pb2
-from octopipe.tune import one_f_one_b
+from octopipe.tune import equal_partition, one_f_one_b
 
 SCHEDULES = ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
-
-
-def equal_partition(names: list[str], stages: int) -> list[list[str]]:
-    body = names[1:-1]
-    size, extra = divmod(len(body), stages)
-    parts, start = [], 0
-    for s in range(stages):
-        end = start + size + (1 if s < extra else 0)
-        parts.append(body[start:end])
-        start = end
-    parts[0].insert(0, names[0])
-    parts[-1].append(names[-1])
-    return parts
 
 
 def _torch_worker(rank: int, port: int, name: str, reference: bytes, m: int, steps: int, out: str) -> None:

@@ -23,6 +23,7 @@ from octopipe.simulate.ir import Action, ActionKind, StageSpec, add_p2p_actions,
 from octopipe.tune import (
     TuneConfig,
     dualpipe_v,
+    equal_partition,
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
@@ -35,19 +36,6 @@ from octopipe.tune import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-def equal_partition(names: list[str], stages: int) -> list[list[str]]:
-    body = names[1:-1]
-    size, extra = divmod(len(body), stages)
-    parts, start = [], 0
-    for s in range(stages):
-        end = start + size + (1 if s < extra else 0)
-        parts.append(body[start:end])
-        start = end
-    parts[0].insert(0, names[0])
-    parts[-1].append(names[-1])
-    return parts
 
 
 def make_plan(

@@ -15,33 +15,17 @@ from rich.console import Console
 from rich.table import Table
 
 from octopipe.simulate.ir import format_grid, load_plan, plan_to_torch_csv, rank_actions, save_plan
-from octopipe.tune import one_f_one_b
+from octopipe.tune import equal_partition, one_f_one_b
 
 __all__ = ["run"]
 
 _LAYERS = ["embed", *[f"layers.{i}" for i in range(8)], "head"]
 
 
-def _partition(num_stages: int) -> list[list[str]]:
-    """Equal layer counts per stage; embedding first, head last (the baseline partition)."""
-    body = _LAYERS[1:-1]
-    if not 1 <= num_stages <= len(body):
-        raise ValueError(f"the example model has {len(body)} decoder layers: use 1..{len(body)} ranks")
-    size, extra = divmod(len(body), num_stages)
-    stages, start = [], 0
-    for s in range(num_stages):
-        end = start + size + (1 if s < extra else 0)
-        stages.append(body[start:end])
-        start = end
-    stages[0].insert(0, _LAYERS[0])
-    stages[-1].append(_LAYERS[-1])
-    return stages
-
-
 def run(*, out: Path, ranks: int, microbatches: int) -> int:
     log = structlog.get_logger("octopipe.demo")
     console = Console()
-    plan = one_f_one_b(ranks, microbatches, layer_names=_partition(ranks))
+    plan = one_f_one_b(ranks, microbatches, layer_names=equal_partition(_LAYERS, ranks))
     plan.model.name = "llama-8"
     plan.model.source = "octopipe.examples:llama"
     out.mkdir(parents=True, exist_ok=True)

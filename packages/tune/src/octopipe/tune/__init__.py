@@ -11,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from octopipe.tune.exact import ExactResult, exact_schedule
 from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
 from octopipe.tune.optimizer import PhaseReport, TuneConfig, TuneResult, tune
+from octopipe.tune.partition import equal_partition
 from octopipe.tune.problem import FAMILIES, balanced_bounds, equal_bounds, placement_for
 from octopipe.tune.schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_h2
 from octopipe.tune.vshape import dualpipe_v, v_half, v_min, v_placement, zb_v
@@ -31,6 +32,7 @@ __all__ = [
     "balanced_bounds",
     "dualpipe_v",
     "equal_bounds",
+    "equal_partition",
     "exact_schedule",
     "gpipe",
     "interleaved_1f1b",
