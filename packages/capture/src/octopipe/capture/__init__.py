@@ -11,7 +11,7 @@ from octopipe.capture.graphs import StageGraphs
 from octopipe.capture.hf import hf_causal_lm_spec, is_hf_causal_lm
 from octopipe.capture.spec import pipeline_spec
 from octopipe.capture.stage import StageModule, split_model
-from octopipe.capture.trace import CaptureConfig, capture_stage, prune_dead_nodes
+from octopipe.capture.trace import CaptureConfig, capture_stage, live_nodes, prune_dead_nodes
 from octopipe.capture.types import CaptureError, LayerSpec, LossFn, PipelineSpec
 
 try:
@@ -31,6 +31,7 @@ __all__ = [
     "capture_stage",
     "hf_causal_lm_spec",
     "is_hf_causal_lm",
+    "live_nodes",
     "pipeline_spec",
     "prune_dead_nodes",
     "split_model",

@@ -30,7 +30,7 @@ from torch.func import functional_call
 from octopipe.capture.graphs import StageGraphs
 from octopipe.capture.types import CaptureError
 
-__all__ = ["CaptureConfig", "capture_stage", "prune_dead_nodes"]
+__all__ = ["CaptureConfig", "capture_stage", "live_nodes", "prune_dead_nodes"]
 
 _RECOMPUTE_KEY = "octopipe_recompute_region"
 
@@ -93,6 +93,19 @@ def _partition(partitioner: str, regions: list[int]) -> Callable[..., Any]:
     return partition
 
 
+def live_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The output node and every node it depends on."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    live: set[fx.Node] = set()
+    stack = [output]
+    while stack:
+        node = stack.pop()
+        if node not in live:
+            live.add(node)
+            stack.extend(node.all_input_nodes)
+    return live
+
+
 def prune_dead_nodes(gm: fx.GraphModule) -> tuple[str, ...]:
     """Remove nodes no output depends on, impure ones too; return their targets.
 
@@ -101,14 +114,7 @@ def prune_dead_nodes(gm: fx.GraphModule) -> tuple[str, ...]:
     dead-code elimination keeps it, and running it would draw from the RNG,
     which eager autograd never does. Removing it keeps RNG use equal to eager.
     """
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    live: set[fx.Node] = set()
-    stack = [output]
-    while stack:
-        node = stack.pop()
-        if node not in live:
-            live.add(node)
-            stack.extend(node.all_input_nodes)
+    live = live_nodes(gm.graph)
     removed = []
     for node in reversed(list(gm.graph.nodes)):
         if node not in live and node.op not in ("placeholder", "output"):

@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import fx, nn
 
-from octopipe.capture import CaptureConfig, StageGraphs, capture_stage
+from octopipe.capture import CaptureConfig, StageGraphs, capture_stage, live_nodes
 from octopipe.transform.bw_split import BWSplit, split_backward
 from octopipe.transform.collectives import (
     COLLECTIVE_KINDS,
@@ -87,18 +87,6 @@ class FSDPGraphs:
     stage: StageGraphs
     reduce_grad: fx.GraphModule
     chains: tuple[ParamChain, ...]
-
-
-def _live(graph: fx.Graph) -> set[fx.Node]:
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    live: set[fx.Node] = set()
-    stack = [output]
-    while stack:
-        node = stack.pop()
-        if node not in live:
-            live.add(node)
-            stack.extend(node.all_input_nodes)
-    return live
 
 
 def _ancestors_within(node: fx.Node, region: set[fx.Node]) -> set[fx.Node]:
@@ -218,7 +206,7 @@ def split_fsdp(graphs: StageGraphs) -> FSDPGraphs:
     fw_nodes = list(fw.graph.nodes)
     fw_index = {n: i for i, n in enumerate(fw_nodes)}
     placeholders = [n for n in fw_nodes if n.op == "placeholder"]
-    live = _live(fw.graph)
+    live = live_nodes(fw.graph)
     regions = [_unshard_region(names[i], p, fw_nodes, live) for i, p in enumerate(placeholders[: graphs.num_params])]
     moved = set().union(*(r for r, _ in regions)) if regions else set()
 
