@@ -132,14 +132,13 @@ class RankRuntime:
             start = time.perf_counter_ns()
             try:
                 self._run(action, state, microbatches, step)
+                if on_action is not None:
+                    end = time.perf_counter_ns()
+                    kind = action.kind
+                    stream = "compute" if kind.is_compute else "send" if kind.name.startswith("SEND") else "recv"
+                    on_action(ActionRecord(str(action), stream, start, end, state.held_bytes(), rss_bytes()))
             except Exception as exc:
                 raise StepFailure(f"rank {self.rank}, step {step}, action {index} ({action}): {exc}") from exc
-            if on_action is not None:
-                end = time.perf_counter_ns()
-                stream = (
-                    "compute" if action.kind.is_compute else "send" if action.kind.name.startswith("SEND") else "recv"
-                )
-                on_action(ActionRecord(str(action), stream, start, end, state.held_bytes(), rss_bytes()))
         self.p2p.finish_sends(f"rank {self.rank}, step {step}, end of step")
         leftovers = [k for k, c in state.weight_ctx.items() if c.tensors is not None]
         if leftovers:
