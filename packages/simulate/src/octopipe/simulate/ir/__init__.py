@@ -11,6 +11,7 @@ from octopipe.simulate.ir.actions import (
 from octopipe.simulate.ir.files import PlanFormat, load_plan, plan_format_for, save_plan
 from octopipe.simulate.ir.grid import format_grid
 from octopipe.simulate.ir.lower import add_p2p_actions
+from octopipe.simulate.ir.mesh import MeshSpec, mesh_spec
 from octopipe.simulate.ir.plan import PlanError, StageSpec, build_plan, rank_actions, stage_ranks, validate_plan
 from octopipe.simulate.ir.text import plan_from_text, plan_to_text
 from octopipe.simulate.ir.torch_csv import CsvFormat, plan_from_torch_csv, plan_to_torch_csv
@@ -19,6 +20,7 @@ __all__ = [
     "Action",
     "ActionKind",
     "CsvFormat",
+    "MeshSpec",
     "PlanError",
     "PlanFormat",
     "StageSpec",
@@ -29,6 +31,7 @@ __all__ = [
     "format_action",
     "format_grid",
     "load_plan",
+    "mesh_spec",
     "parse_action",
     "plan_format_for",
     "plan_from_text",
