@@ -15,11 +15,13 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from octopipe.capture import StageGraphs, StageModule, capture_stage, split_model
+from octopipe.execute.runtime.checkpoint import load_checkpoint, save_checkpoint
 from octopipe.execute.runtime.comm import P2P
 from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime
 from octopipe.execute.runtime.models import build_model
@@ -27,9 +29,15 @@ from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate.ir import rank_actions, stage_ranks
 from octopipe.transform import BWSplit, StageExecutable, split_backward
 
-__all__ = ["ABORT_KEY", "WorkerConfig", "worker_main"]
+__all__ = ["ABORT_KEY", "StepEvents", "WorkerConfig", "worker_main"]
 
 ABORT_KEY = "octopipe/abort"
+
+
+class StepEvents(Protocol):
+    """Where a rank reports each completed step (a multiprocessing queue)."""
+
+    def put(self, item: dict[str, Any], /) -> None: ...
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -50,6 +58,13 @@ class WorkerConfig:
     keep_grads: bool = False
     keep_params: bool = False
     fail_at: tuple[int, int] | None = None  # (step, action index): raise there, for fault tests
+    #: the first step's index (a resumed run starts after its checkpoint); ``steps`` steps run from here
+    start_step: int = 0
+    #: checkpoints (see runtime.checkpoint) go here every ``checkpoint_every`` completed steps
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 0
+    #: load ``checkpoint_dir/step-<start_step>`` before the first step
+    resume: bool = False
 
 
 class _Recorder:
@@ -71,8 +86,13 @@ def _split_batch(tokens: torch.Tensor, targets: torch.Tensor, m: int) -> list[tu
     return list(zip(tokens.chunk(m), targets.chunk(m), strict=True))
 
 
-def worker_main(config: WorkerConfig) -> None:
-    """Entry point of a rank process (spawned by the launcher or torchrun)."""
+def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
+    """Entry point of a rank process (spawned by the launcher, a node daemon or torchrun).
+
+    ``events`` (a multiprocessing queue) receives one dict per completed step:
+    rank, step, loss (last stage only), step duration, the action records and
+    the checkpoint step if one was saved.
+    """
     rank = config.rank
     out = Path(config.result_dir)
     if config.pin_cores and hasattr(os, "sched_setaffinity"):
@@ -94,7 +114,7 @@ def worker_main(config: WorkerConfig) -> None:
             timeout=datetime.timedelta(seconds=config.timeout_s),
         )
         try:
-            result = _run(config, store)
+            result = _run(config, store, events)
         finally:
             dist.destroy_process_group()
         torch.save(result, out / f"rank{rank}.pt")
@@ -132,16 +152,21 @@ class _CaptureCache:
         )
 
 
-def _run(config: WorkerConfig, store: dist.TCPStore) -> list[dict[str, object]]:
+def _run(config: WorkerConfig, store: dist.TCPStore, events: StepEvents | None) -> list[dict[str, object]]:
     cache = _CaptureCache()
     return [
-        _run_plan(config, plan_pb2.Plan.FromString(data), store, cache, index)
+        _run_plan(config, plan_pb2.Plan.FromString(data), store, cache, index, events)
         for index, data in enumerate(config.plans)
     ]
 
 
 def _run_plan(
-    config: WorkerConfig, plan: plan_pb2.Plan, store: dist.TCPStore, cache: _CaptureCache, plan_index: int
+    config: WorkerConfig,
+    plan: plan_pb2.Plan,
+    store: dist.TCPStore,
+    cache: _CaptureCache,
+    plan_index: int,
+    events: StepEvents | None = None,
 ) -> dict[str, object]:
     rank, m = config.rank, plan.num_microbatches
     programs = rank_actions(plan)
@@ -186,7 +211,9 @@ def _run_plan(
     losses: list[float] = []
     timelines: list[dict[str, object]] = []
     first_grads: dict[str, torch.Tensor] = {}
-    for step in range(config.steps):
+    if config.resume:
+        load_checkpoint(config.checkpoint_dir, config.start_step, params, optimizer)
+    for step in range(config.start_step, config.start_step + config.steps):
         microbatches = _split_batch(*built.batch(step), m)
         fail_after = config.fail_at[1] if config.fail_at is not None and config.fail_at[0] == step else None
         recorder = _Recorder(fail_after)
@@ -200,7 +227,7 @@ def _run_plan(
             names = executables[s].graphs.param_names
             for name, grad in zip(names, runtime.grads[s], strict=True):
                 params[name].grad = grad
-        if step == 0 and config.keep_grads:
+        if step == config.start_step and config.keep_grads:
             first_grads = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -208,6 +235,22 @@ def _run_plan(
         timelines.append(
             {"start_ns": step_start, "end_ns": step_end, "records": [r.__dict__ for r in recorder.records]}
         )
+        saved = None
+        if config.checkpoint_every and config.checkpoint_dir and (step + 1) % config.checkpoint_every == 0:
+            save_checkpoint(config.checkpoint_dir, step + 1, params, optimizer)
+            saved = step + 1
+        if events is not None:
+            events.put(
+                {
+                    "rank": rank,
+                    "step": step,
+                    "loss": None if loss is None else float(loss),
+                    "start_ns": step_start,
+                    "end_ns": step_end,
+                    "records": timelines[-1]["records"],
+                    "checkpoint": saved,
+                }
+            )
     return {
         "plan": plan_index,
         "rank": rank,
