@@ -6,6 +6,20 @@ inputs exist before it; then that every micro-batch has exactly one F and one B
 (or I and W) on every stage; then pairs sends with receives. Each p2p channel
 (source rank -> destination rank) is FIFO, as NCCL's per-pair streams and
 gloo's per-pair matching are: the k-th send on it meets the k-th receive.
+
+Collectives (UNSHARD, RESHARD, REDUCE_GRAD) act on one stage of the rank.
+Every replica of a pipeline rank runs the same program, so the members of a
+data-parallel group issue the same collectives in the same order by
+construction; the rules checked here are per program:
+
+* a stage with any UNSHARD uses explicit unsharding: each of its
+  computations needs an UNSHARD of it before, with no RESHARD in between
+  (a stage without UNSHARD keeps its parameters whole: replicated);
+* UNSHARD only while sharded, RESHARD only while unsharded;
+* REDUCE_GRAD at most once per stage and after the stage's last computation
+  (nothing of the stage computes after its gradients were reduced);
+* with a mesh of dp > 1, every stage needs its REDUCE_GRAD (its replicas'
+  gradients must be combined before the optimizer step).
 """
 
 from __future__ import annotations
@@ -15,6 +29,7 @@ from typing import Final, NoReturn
 
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate.errors import ActionCountError, DeadlockError, MissingInputError, VerificationError
+from octopipe.simulate.ir.mesh import mesh_spec
 from octopipe.simulate.ir.plan import validate_plan
 
 __all__ = ["Label", "Program", "compile_plan", "label_text"]
@@ -91,6 +106,11 @@ class Program:
     consumer: list[int]
     previous: list[int]
     boundary_stage: list[int]
+    # The mesh: data-parallel and expert-parallel degrees (1 and 1 without a mesh),
+    # and the stages that use explicit unsharding (have an UNSHARD).
+    dp: int = 1
+    ep: int = 1
+    sharded_stages: frozenset[int] = frozenset()
 
     @property
     def num_ranks(self) -> int:
@@ -287,6 +307,18 @@ def _check_rank(c: _Compiler, rank: int) -> dict[Label, int]:
                 reduced[s] = step
         else:
             _invalid(c.plan)
+    if c.dp > 1:
+        for s in range(c.num_stages):
+            if placement[s] == rank and s not in reduced:
+                raise ActionCountError(
+                    c.plan,
+                    rank,
+                    len(row),
+                    "",
+                    f"stage {s} runs on dp={c.dp} data-parallel replicas, so its gradients must be reduced: "
+                    f"add {s}REDUCE_GRAD to rank {rank} after the stage's last backward",
+                )
+    c.sharded |= fsdp
     for peer, steps in outgoing.items():
         c.channels.setdefault((rank, peer), ([], []))[0].extend(steps)
     for peer, steps in incoming.items():
@@ -304,6 +336,9 @@ class _Compiler:
             _invalid(plan)
         if any(program.rank != index for index, program in enumerate(plan.ranks)):
             _invalid(plan)
+        mesh = mesh_spec(plan)  # raises PlanError on a bad mesh
+        self.dp, self.ep = mesh.dp, mesh.ep
+        self.sharded: set[int] = set()
         self.labels = _read(plan)
         self.waits = [[-1] * len(row) for row in self.labels]
         self.overlap_waits: list[dict[int, int]] = [{} for _ in self.labels]
@@ -334,6 +369,9 @@ class _Compiler:
             consumer=self.consumer,
             previous=previous,
             boundary_stage=self.boundary_stage,
+            dp=self.dp,
+            ep=self.ep,
+            sharded_stages=frozenset(self.sharded),
         )
 
     def check_coverage(self, ran: list[dict[Label, int]]) -> None:

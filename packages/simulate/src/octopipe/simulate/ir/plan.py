@@ -83,9 +83,14 @@ def validate_plan(plan: plan_pb2.Plan) -> None:
     """Check a Plan's structure; raise PlanError naming what is wrong and where.
 
     This checks form, not timing: indices in range, stages placed where their
-    actions run, layers named once. Deadlocks, data dependencies and memory are
-    the simulator's verifier's job.
+    actions run, layers named once, and the mesh (``mesh_spec``: ep divides
+    dp, the global rank map is a permutation of 0..pp*dp-1, so every
+    (pipeline rank, replica) has exactly one process and every stage replica
+    is complete). Deadlocks, data dependencies, the order of collectives and
+    memory are the simulator's verifier's job.
     """
+    from octopipe.simulate.ir.mesh import mesh_spec  # noqa: PLC0415 - mesh imports PlanError from here
+
     if plan.num_microbatches < 1:
         raise PlanError(f"num_microbatches is {plan.num_microbatches}: a plan needs at least 1 micro-batch")
     if not plan.stages:
@@ -112,6 +117,7 @@ def validate_plan(plan: plan_pb2.Plan) -> None:
                     f"layer {layer!r} is in stage {seen_layers[layer]} and stage {position}: a layer belongs to one stage"
                 )
             seen_layers[layer] = position
+    mesh_spec(plan)
     placement = stage_ranks(plan)
     for program in plan.ranks:
         for step, message in enumerate(program.actions):

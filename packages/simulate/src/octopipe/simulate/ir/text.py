@@ -13,6 +13,10 @@ Example::
     rank 0 cap 1073741824: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
     rank 1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1
 
+The ``mesh`` line is present exactly when the plan has a ``mesh`` (dp and ep
+as stored, 0 included); an explicit global rank map follows as
+``mesh dp 2 ep 1 ranks [0, 2, 1, 3]``.
+
 Strings are JSON (ASCII-escaped), so any name survives a round trip.
 Actions use the torch.distributed.pipelining text form.
 """
@@ -34,6 +38,7 @@ __all__ = ["HEADER", "plan_from_text", "plan_to_text"]
 HEADER: Final = "octopipe-plan v1"
 _STAGE_RE: Final = re.compile(r"stage (\d+) rank (\d+) (\[.*\])")
 _RANK_RE: Final = re.compile(r"rank (\d+)(?: cap (\d+))?:(.*)")
+_MESH_RE: Final = re.compile(r"mesh dp (\d+) ep (\d+)(?: ranks (\[[\d, ]*\]))?")
 
 
 def _quote(value: str) -> str:
@@ -50,6 +55,9 @@ def plan_to_text(plan: plan_pb2.Plan) -> str:
         model.setdefault("config", {})
         lines.append("model " + json.dumps(model, ensure_ascii=True, sort_keys=True))
     lines.append(f"microbatches {plan.num_microbatches}")
+    if plan.HasField("mesh"):
+        ranks = f" ranks {json.dumps(list(plan.mesh.global_ranks))}" if plan.mesh.global_ranks else ""
+        lines.append(f"mesh dp {plan.mesh.dp} ep {plan.mesh.ep}{ranks}")
     lines.extend(f"label {_quote(k)} {_quote(plan.labels[k])}" for k in sorted(plan.labels))
     for stage in plan.stages:
         names = json.dumps(list(stage.layer_names), ensure_ascii=True)
@@ -92,6 +100,11 @@ def _parse_line(plan: plan_pb2.Plan, line: str) -> None:
         decoder = json.JSONDecoder()
         name, end = decoder.raw_decode(rest)
         plan.labels[name] = _string(rest[end:].strip())
+    elif key == "mesh" and (match := _MESH_RE.fullmatch(line)):
+        plan.mesh.SetInParent()
+        plan.mesh.dp, plan.mesh.ep = int(match.group(1)), int(match.group(2))
+        if match.group(3) is not None:
+            plan.mesh.global_ranks.extend(json.loads(match.group(3)))
     elif key == "stage" and (match := _STAGE_RE.fullmatch(line)):
         names = json.loads(match.group(3))
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
@@ -105,7 +118,7 @@ def _parse_line(plan: plan_pb2.Plan, line: str) -> None:
             program.actions.append(action_to_proto(parse_action(token)))
     else:
         raise ValueError(
-            "expected one of: name, version, model, microbatches, label, "
+            "expected one of: name, version, model, microbatches, 'mesh dp D ep E [ranks [...]]', label, "
             "'stage N rank R [layers]', 'rank R [cap BYTES]: actions'"
         )
 
