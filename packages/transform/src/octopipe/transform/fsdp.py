@@ -24,6 +24,7 @@ averaged over the group (reduce-scatter with ``avg``), as FSDP2 does.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -145,7 +146,11 @@ def _sharded_class(cls: type[nn.Module], names: list[str]) -> type[nn.Module]:
 
 
 def shard_parameters(
-    module: nn.Module, group: dist.ProcessGroup, *, config: ShardConfig | None = None
+    module: nn.Module,
+    group: dist.ProcessGroup,
+    *,
+    config: ShardConfig | None = None,
+    exclude: Collection[str] = (),
 ) -> dict[str, ShardSpec]:
     """Shard every parameter of ``module`` over ``group`` in place; return each one's :class:`ShardSpec` by name.
 
@@ -153,9 +158,15 @@ def shard_parameters(
     original names, and reading a parameter attribute all-gathers it (so the
     module still runs eagerly, and AOTAutograd traces the collectives).
     Every rank must call this with identical parameters (build the model with
-    the same seed first). Tied parameters are refused.
+    the same seed first). Tied parameters are refused. Parameters named in
+    ``exclude`` (full dotted names) stay whole and local, e.g. expert weights
+    that expert parallelism already splits over the group; every name must exist.
     """
     config = config or ShardConfig()
+    names = {name for name, _ in module.named_parameters()}
+    unknown = sorted(set(exclude) - names)
+    if unknown:
+        raise ValueError(f"exclude names parameters the module does not have: {unknown}")
     world, rank, group_name = dist.get_world_size(group), dist.get_rank(group), str(group.group_name)
     seen: dict[int, str] = {}
     specs: dict[str, ShardSpec] = {}
@@ -170,6 +181,8 @@ def shard_parameters(
                     f"parameters {seen[id(param)]!r} and {full_name!r} are the same tensor (tied): untie them before sharding"
                 )
             seen[id(param)] = full_name
+            if full_name in exclude:
+                continue
             spec = ShardSpec(
                 shape=tuple(param.shape),
                 dtype=param.dtype,

@@ -12,7 +12,7 @@ deadline, and a rank checks the run's abort flag before it waits.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +55,12 @@ class _Pending:
 
 
 class P2P:
-    """Posts, sends and waits for one rank; ``shape_of(key)`` gives each message's buffer shape and dtype."""
+    """Posts, sends and waits for one rank; ``shape_of(key)`` gives each message's buffer shape and dtype.
+
+    ``rank`` and the ranks in ``programs`` and ``stage_rank`` are pipeline
+    ranks; with a pp x dp mesh, ``peers`` maps each pipeline rank to the global
+    rank of this replica's copy of it, so messages go between matching replicas.
+    """
 
     def __init__(
         self,
@@ -68,8 +73,11 @@ class P2P:
         timeout_s: float,
         aborted: Callable[[], str | None],
         group: dist.ProcessGroup | None = None,
+        peers: Mapping[int, int] | None = None,
     ) -> None:
         self.rank = rank
+        #: pipeline rank -> the process it is for this replica (a mesh's global rank); identity without a mesh
+        self.peers = dict(peers) if peers is not None else None
         self.timeout_s = timeout_s
         self.aborted = aborted
         self.group = group
@@ -92,6 +100,9 @@ class P2P:
         self.receives: dict[tuple[str, int, int], _Pending] = {}
         self.sends: list[_Pending] = []
 
+    def _process(self, pipeline_rank: int) -> int:
+        return pipeline_rank if self.peers is None else self.peers[pipeline_rank]
+
     def _tag(self, key: tuple[str, int, int]) -> int:
         direction, stage, microbatch = key
         return ((stage * self.num_microbatches) + microbatch) * 2 + (0 if direction == "F" else 1)
@@ -100,14 +111,14 @@ class P2P:
         """Post every receive of the step now, in each sender's order."""
         for key, peer in self.recv_order:
             buffer = self.buffers[key]
-            work = dist.irecv(buffer, src=peer, group=self.group, tag=self._tag(key))
+            work = dist.irecv(buffer, src=self._process(peer), group=self.group, tag=self._tag(key))
             assert work is not None
             self.receives[key] = _Pending(work, buffer, peer)
 
     def send(self, action: Action, tensor: torch.Tensor, peer: int) -> None:
         """Start sending ``tensor`` for a SEND action; completed by ``finish_sends``."""
         tensor = tensor.contiguous()
-        work = dist.isend(tensor, dst=peer, group=self.group, tag=self._tag(message_key(action)))
+        work = dist.isend(tensor, dst=self._process(peer), group=self.group, tag=self._tag(message_key(action)))
         assert work is not None
         self.sends.append(_Pending(work, tensor, peer))
 

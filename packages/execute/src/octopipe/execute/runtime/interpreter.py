@@ -5,22 +5,57 @@ and the per-step state (stage inputs, contexts between F, B and W, tensors to
 send). Neighbouring stages on the same rank hand tensors over directly. The
 last stage's loss is scaled by 1/m through the output gradient it starts the
 backward with, so accumulated gradients are those of the mean loss.
+
+A stage given as a :class:`ShardedStage` (its parameters sharded over a
+data-parallel group, see :mod:`octopipe.execute.runtime.mesh`) has no
+parameters to compute with until its UNSHARD action gathers them, every step;
+RESHARD drops the gathered parameters; REDUCE_GRAD turns the full gradients
+accumulated so far into this rank's shard gradients, once per step, after the
+stage's last backward. A plan that computes on a sharded stage before its
+UNSHARD, accumulates after its REDUCE_GRAD, or never reduces is refused with an
+error naming the action to add (:func:`octopipe.execute.runtime.mesh.check_sharded_program`
+finds the same mistakes before any process starts).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from octopipe.capture import StageGraphs
 from octopipe.execute.runtime.comm import P2P
 from octopipe.simulate.ir import Action, ActionKind
 from octopipe.transform import ForwardContext, OverlapStage, StageExecutable, WeightContext, storage_bytes
 
-__all__ = ["ActionRecord", "RankRuntime", "StepFailure", "rss_bytes"]
+__all__ = ["ActionRecord", "RankRuntime", "ShardedStage", "StepFailure", "rss_bytes"]
+
+
+@runtime_checkable
+class ShardedStage(Protocol):
+    """A stage whose parameters are sharded: UNSHARD gathers them, REDUCE_GRAD reduces full gradients to shards."""
+
+    @property
+    def graphs(self) -> StageGraphs:
+        """The stage graphs (full parameters in, full gradients out); ``param_names`` name the shards too."""
+        ...
+
+    @property
+    def static_tensors(self) -> list[torch.Tensor]:
+        """Shards and buffers this stage always holds (not counted as activations)."""
+        ...
+
+    def unshard(self) -> StageExecutable:
+        """UNSHARD (a collective): a stage bound to the gathered parameters."""
+        ...
+
+    def reduce_grad(self, full_grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """REDUCE_GRAD (a collective): one shard gradient per parameter."""
+        ...
 
 
 class StepFailure(RuntimeError):
@@ -90,28 +125,57 @@ class RankRuntime:
         *,
         rank: int,
         program: list[Action],
-        stages: dict[int, StageExecutable],
+        stages: Mapping[int, StageExecutable | ShardedStage],
         stage_rank: dict[int, int],
         num_microbatches: int,
         p2p: P2P,
     ) -> None:
         self.rank = rank
         self.program = program
-        self.stages = stages
+        #: stages ready to compute: plain ones always, sharded ones between UNSHARD and RESHARD
+        self.stages: dict[int, StageExecutable] = {s: e for s, e in stages.items() if isinstance(e, StageExecutable)}
+        self.sharded: dict[int, ShardedStage] = {s: e for s, e in stages.items() if not isinstance(e, StageExecutable)}
         self.stage_rank = stage_rank
         self.num_stages = max(stage_rank) + 1
         self.m = num_microbatches
         self.p2p = p2p
-        self.grads: dict[int, list[torch.Tensor | None]] = {s: [None] * len(exe.params) for s, exe in stages.items()}
+        self.num_params = {s: e.graphs.num_params for s, e in stages.items()}
+        self.grads: dict[int, list[torch.Tensor | None]] = {s: [None] * n for s, n in self.num_params.items()}
         self.loss_scale = torch.ones(()) / num_microbatches
-        self.static = [t for exe in stages.values() for t in (*exe.params, *exe.buffers)]
-        self._overlaps: dict[tuple[int, int, ActionKind], OverlapStage] = {}
+        self.static: list[torch.Tensor] = []
+        self._restatic()
+        self._overlaps: dict[tuple[int, int, ActionKind], tuple[StageExecutable, StageExecutable, OverlapStage]] = {}
+        self._reduced: set[int] = set()
+        self._resharded: set[int] = set()
+
+    def _restatic(self) -> None:
+        """Parameters, shards and buffers: excluded from ``held_bytes`` (updated in place; step states share it)."""
+        tensors = [t for exe in self.stages.values() for t in (*exe.params, *exe.buffers)]
+        tensors += [t for stage in self.sharded.values() for t in stage.static_tensors]
+        self.static[:] = tensors
 
     def zero_grads(self) -> None:
         for stage in self.grads:
-            self.grads[stage] = [None] * len(self.stages[stage].params)
+            self.grads[stage] = [None] * self.num_params[stage]
+
+    def _exe(self, stage: int) -> StageExecutable:
+        exe = self.stages.get(stage)
+        if exe is not None:
+            return exe
+        if stage in self.sharded:
+            why = "RESHARD dropped its gathered parameters" if stage in self._resharded else "no UNSHARD ran this step"
+            raise RuntimeError(
+                f"stage {stage} is sharded over its data-parallel group and {why}: put '{stage}UNSHARD' "
+                f"before this action in rank {self.rank}'s program"
+            )
+        raise RuntimeError(f"stage {stage} is not on rank {self.rank}")
 
     def _accumulate(self, stage: int, grads: list[torch.Tensor | None]) -> None:
+        if stage in self._reduced:
+            raise RuntimeError(
+                f"a backward of stage {stage} runs after its REDUCE_GRAD: move '{stage}REDUCE_GRAD' after the "
+                "stage's last W (or B) in the program"
+            )
         acc = self.grads[stage]
         for index, grad in enumerate(grads):
             if grad is None:
@@ -127,6 +191,11 @@ class RankRuntime:
     ) -> torch.Tensor | None:
         """Run the program once; return the mean loss if this rank holds the last stage."""
         state = _StepState(static=self.static)
+        for stage in self.sharded:  # last step's gathered parameters are stale after the optimizer step
+            self.stages.pop(stage, None)
+        self._reduced.clear()
+        self._resharded.clear()
+        self._restatic()
         self.p2p.post_receives()
         for index, action in enumerate(self.program):
             start = time.perf_counter_ns()
@@ -144,6 +213,12 @@ class RankRuntime:
         if leftovers:
             raise StepFailure(
                 f"rank {self.rank}, step {step}: W never ran for (stage, micro-batch) {sorted(leftovers)}"
+            )
+        unreduced = [s for s in self.sharded if s not in self._reduced]
+        if unreduced:
+            raise StepFailure(
+                f"rank {self.rank}, step {step}: sharded stages {unreduced} never ran REDUCE_GRAD; put "
+                f"'<stage>REDUCE_GRAD' after each one's last W (or B) in rank {self.rank}'s program"
             )
         if state.losses:
             return torch.stack(state.losses).sum() * self.loss_scale
@@ -180,13 +255,14 @@ class RankRuntime:
         forward, backward = action.sub_actions
         assert forward.microbatch is not None and backward.microbatch is not None
         key = (forward.stage, backward.stage, backward.kind)
-        overlap = self._overlaps.get(key)
-        if overlap is None:
+        exe_f, exe_b = self._exe(forward.stage), self._exe(backward.stage)
+        cached = self._overlaps.get(key)
+        if cached is not None and cached[0] is exe_f and cached[1] is exe_b:
+            overlap = cached[2]
+        else:  # first use, or a sharded stage was gathered again (new parameter tensors)
             full = backward.kind is ActionKind.FULL_BACKWARD
-            overlap = OverlapStage(
-                self.stages[forward.stage], self.stages[backward.stage], backward="full" if full else "input"
-            )
-            self._overlaps[key] = overlap
+            overlap = OverlapStage(exe_f, exe_b, backward="full" if full else "input")
+            self._overlaps[key] = (exe_f, exe_b, overlap)
         inputs = self._stage_input(state, forward.stage, forward.microbatch, microbatches)
         bkey = (backward.stage, backward.microbatch)
         ctx = state.forward_ctx.pop(bkey)
@@ -217,15 +293,16 @@ class RankRuntime:
             self._overlap(action, state, microbatches)
             return
         if kind in (ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD):
-            return  # stages are not sharded in this runtime yet: nothing to gather or reduce
+            self._collective(kind, s)
+            return
         assert mb is not None
         key = (s, mb)
         if kind is ActionKind.FORWARD:
-            exe = self.stages[s]
+            exe = self._exe(s)
             out, ctx = exe.forward(self._stage_input(state, s, mb, microbatches))
             self._forward_done(state, s, mb, out, ctx)
         elif kind in (ActionKind.BACKWARD_INPUT, ActionKind.FULL_BACKWARD):
-            exe = self.stages[s]
+            exe = self._exe(s)
             ctx = state.forward_ctx.pop(key)
             grad = self._output_grad(state, s, mb)
             if kind is ActionKind.FULL_BACKWARD:
@@ -240,7 +317,7 @@ class RankRuntime:
             wctx = state.weight_ctx.get(key)
             if wctx is None:
                 raise RuntimeError(f"W of stage {s}, micro-batch {mb} runs before its B (I)")
-            self._accumulate(s, self.stages[s].backward_weight(wctx))
+            self._accumulate(s, self._exe(s).backward_weight(wctx))
         elif kind is ActionKind.SEND_F:
             self.p2p.send(action, state.outputs.pop(key), self.stage_rank[s + 1])
         elif kind is ActionKind.SEND_B:
@@ -249,3 +326,25 @@ class RankRuntime:
             state.inputs[key] = self.p2p.receive(action, f"rank {self.rank}, step {step} ({action})")
         elif kind is ActionKind.RECV_B:
             state.output_grads[key] = self.p2p.receive(action, f"rank {self.rank}, step {step} ({action})")
+
+    def _collective(self, kind: ActionKind, stage: int) -> None:
+        """UNSHARD, RESHARD, REDUCE_GRAD; no-ops on a stage that is not sharded (dp = 1)."""
+        sharded = self.sharded.get(stage)
+        if sharded is None:
+            return
+        if kind is ActionKind.UNSHARD:
+            if stage in self.stages:
+                raise RuntimeError(f"stage {stage} is unsharded already: remove the second UNSHARD or RESHARD first")
+            self.stages[stage] = sharded.unshard()
+            self._resharded.discard(stage)
+        elif kind is ActionKind.RESHARD:
+            self.stages.pop(stage, None)
+            self._resharded.add(stage)
+        else:
+            if stage in self._reduced:
+                raise RuntimeError(
+                    f"stage {stage} ran REDUCE_GRAD twice in one step: keep one, after its last W (or B)"
+                )
+            self.grads[stage] = sharded.reduce_grad(self.grads[stage])
+            self._reduced.add(stage)
+        self._restatic()

@@ -4,6 +4,13 @@ Ranks rendezvous through a TCPStore this process hosts on 127.0.0.1. If a rank
 fails, the store's abort flag stops the others at their next wait; any rank
 still alive after a grace period is killed. The error names the first failing
 rank, its step and its action.
+
+A plan with a mesh (``mesh.dp`` replicas of every pipeline rank) starts
+pp x dp processes; its sharded stages' programs are checked for UNSHARD and
+REDUCE_GRAD first (:func:`~octopipe.execute.runtime.fsdp_actions.check_sharded_programs`).
+The reported loss is the mean of the replicas' losses; gradients and weights
+are whole tensors (gathered from the shards by the ranks); timelines are keyed
+by global rank.
 """
 
 from __future__ import annotations
@@ -21,9 +28,10 @@ import torch
 import torch.distributed as dist
 
 from octopipe.execute.linkprobe import free_port
+from octopipe.execute.runtime.fsdp_actions import check_sharded_programs
 from octopipe.execute.runtime.worker import ABORT_KEY, WorkerConfig, worker_main
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import validate_plan
+from octopipe.simulate.ir import MeshSpec, mesh_spec, validate_plan
 
 __all__ = ["RunFailed", "RunResult", "run_local", "run_local_many"]
 
@@ -69,11 +77,18 @@ def run_local_many(
     """
     if not plans:
         raise ValueError("give at least one plan")
+    meshes: list[MeshSpec] = []
     for plan in plans:
         validate_plan(plan)
-    world = len(plans[0].ranks)
-    if any(len(plan.ranks) != world for plan in plans):
-        raise ValueError(f"plans run together must have the same number of ranks: {[len(p.ranks) for p in plans]}")
+        meshes.append(mesh_spec(plan))
+        if meshes[-1].dp > 1:
+            check_sharded_programs(plan)
+    world = meshes[0].world_size
+    if any(mesh.world_size != world for mesh in meshes):
+        raise ValueError(
+            "plans run together must need the same number of processes (pipeline ranks x dp): "
+            f"{[mesh.world_size for mesh in meshes]}"
+        )
     log = structlog.get_logger("octopipe.launcher")
     port = free_port()
     store = dist.TCPStore(
@@ -117,9 +132,10 @@ def run_local_many(
             raise RunFailed(f"{first} (exit codes {codes})")
         results = [torch.load(Path(folder) / f"rank{r}.pt", weights_only=True) for r in range(world)]
     merged: list[RunResult] = []
-    for index, plan in enumerate(plans):
-        last_rank = plan.stages[-1].rank
-        result = RunResult(losses=list(results[last_rank][index]["losses"]), wall_s=wall)
+    for index, (plan, mesh) in enumerate(zip(plans, meshes, strict=True)):
+        last = [results[mesh.global_rank(plan.stages[-1].rank, d)][index]["losses"] for d in range(mesh.dp)]
+        losses = [sum(step) / mesh.dp for step in zip(*last, strict=True)] if mesh.dp > 1 else list(last[0])
+        result = RunResult(losses=losses, wall_s=wall)
         for per_rank in results:
             entry = per_rank[index]
             result.grads.update(entry["grads"])

@@ -24,6 +24,7 @@ from octopipe.capture import StageGraphs, StageModule, capture_stage, split_mode
 from octopipe.execute.runtime.checkpoint import load_checkpoint, save_checkpoint
 from octopipe.execute.runtime.comm import P2P
 from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime
+from octopipe.execute.runtime.mesh import MeshRank
 from octopipe.execute.runtime.models import build_model
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate.ir import rank_actions, stage_ranks
@@ -169,11 +170,13 @@ def _run_plan(
     events: StepEvents | None = None,
 ) -> dict[str, object]:
     rank, m = config.rank, plan.num_microbatches
+    mesh = MeshRank.create(plan, rank, config.world_size)  # a pp x dp mesh's groups (collective); see runtime.mesh
+    prank = mesh.pipeline_rank  # the pipeline rank whose program this process runs (= rank without a mesh)
     programs = rank_actions(plan)
     placement = stage_ranks(plan)
-    built = build_model(plan.model, seed=config.seed)
+    built = mesh.replica_model(build_model(plan.model, seed=config.seed), m)  # batch(step): this replica's slice
     stages = split_model(built.model, [list(s.layer_names) for s in plan.stages])
-    mine = sorted(s for s, r in placement.items() if r == rank)
+    mine = sorted(s for s, r in placement.items() if r == prank)
 
     # example activations (one eager forward of the first micro-batch) give capture its shapes
     first = _split_batch(*built.batch(0), m)[0]
@@ -181,10 +184,12 @@ def _run_plan(
     with torch.no_grad():
         for stage in stages[:-1]:
             activations.append(stage(activations[-1]))
-    executables = {
-        s: cache.executable(stages[s], [activations[s], first[1]] if s == len(stages) - 1 else [activations[s]])
-        for s in mine
-    }
+    inputs = {s: [activations[s], first[1]] if s == len(stages) - 1 else [activations[s]] for s in mine}
+    executables = (
+        mesh.compile(stages, inputs)  # dp > 1: sharded stages, gathered by UNSHARD actions
+        if mesh.sharded
+        else {s: cache.executable(stages[s], inputs[s]) for s in mine}
+    )
 
     def buffer_spec(key: tuple[str, int, int]) -> tuple[torch.Size, torch.dtype]:
         direction, sender, _ = key
@@ -195,7 +200,8 @@ def _run_plan(
         return store.get(ABORT_KEY).decode() if store.check([ABORT_KEY]) else None
 
     p2p = P2P(
-        rank=rank,
+        rank=prank,
+        peers=mesh.peers,
         programs=programs,
         stage_rank=placement,
         num_microbatches=m,
@@ -204,7 +210,7 @@ def _run_plan(
         aborted=aborted,
     )
     runtime = RankRuntime(
-        rank=rank, program=programs[rank], stages=executables, stage_rank=placement, num_microbatches=m, p2p=p2p
+        rank=prank, program=programs[prank], stages=executables, stage_rank=placement, num_microbatches=m, p2p=p2p
     )
     params = {name: param for s in mine for name, param in stages[s].named_parameters()}
     optimizer = torch.optim.AdamW(list(params.values()), lr=config.learning_rate, foreach=False)
@@ -255,7 +261,7 @@ def _run_plan(
         "plan": plan_index,
         "rank": rank,
         "losses": losses,
-        "grads": first_grads,
-        "params": {n: p.detach().clone() for n, p in params.items()} if config.keep_params else {},
+        "grads": mesh.full(first_grads),  # whole tensors from the shards (a collective when dp > 1)
+        "params": mesh.full({n: p.detach() for n, p in params.items()}) if config.keep_params else {},
         "timelines": timelines,
     }
