@@ -1,0 +1,137 @@
+"""What the coordinator and the node daemon share: servers, health, deadlines, state names, metrics."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from octopipe.execute.control.security import AuthInterceptor, CertPaths, channel_options, server_credentials
+from octopipe.node.v1 import node_pb2
+from octopipe.simulate.ir import action_to_proto, parse_action
+
+__all__ = [
+    "RPC_DEADLINE_S",
+    "TERMINAL_STATES",
+    "Server",
+    "Waiter",
+    "start_server",
+    "state_name",
+    "step_metrics",
+]
+
+#: The deadline of every unary RPC the control plane makes.
+RPC_DEADLINE_S = 10.0
+TERMINAL_STATES = frozenset(
+    {node_pb2.RUN_STATE_DONE, node_pb2.RUN_STATE_FAILED, node_pb2.RUN_STATE_CANCELLED},
+)
+
+
+def state_name(state: int) -> str:
+    """``RUN_STATE_RUNNING`` -> ``running``."""
+    return node_pb2.RunState.Name(state).removeprefix("RUN_STATE_").lower()  # type: ignore[arg-type]
+
+
+@dataclass
+class Server:
+    """A started gRPC server with health checking; ``address`` is host:port as bound."""
+
+    server: grpc.Server
+    health: health.HealthServicer
+    address: str
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait(grace_s + 5)
+
+
+def start_server(
+    *,
+    host: str,
+    port: int,
+    identity: CertPaths,
+    register: Callable[[grpc.Server], None],
+    service_names: Sequence[str],
+    allowed: dict[str, frozenset[str]],
+    max_workers: int = 32,
+) -> Server:
+    """Start a mutual-TLS server on host:port (0: any free port) with the services ``register`` adds."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="octopipe-grpc"),
+        interceptors=[AuthInterceptor(allowed)],
+        options=channel_options(),
+        maximum_concurrent_rpcs=max_workers * 4,
+    )
+    register(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_secure_port(f"{host}:{port}", server_credentials(identity))
+    if bound == 0:
+        raise OSError(f"could not listen on {host}:{port}: choose a free port or another address")
+    server.start()
+    for name in (*service_names, ""):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return Server(server=server, health=health_servicer, address=f"{host}:{bound}")
+
+
+class Waiter:
+    """A condition that streams wait on: ``notify`` wakes every waiter; ``wait`` returns after at most ``timeout_s``."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._version = 0
+
+    def notify(self) -> None:
+        with self._condition:
+            self._version += 1
+            self._condition.notify_all()
+
+    def wait(self, seen: int, timeout_s: float) -> int:
+        """Block until the version moves past ``seen`` (or the timeout); return the current version."""
+        deadline = time.monotonic() + timeout_s
+        with self._condition:
+            while self._version == seen:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._condition.wait(left)
+            return self._version
+
+    @property
+    def version(self) -> int:
+        with self._condition:
+            return self._version
+
+
+def step_metrics(run_id: str, event: dict[str, Any]) -> node_pb2.StepMetrics:
+    """A rank's step event (from the worker's events queue) as StepMetrics, times from the step's start."""
+    origin = int(event["start_ns"])
+    metrics = node_pb2.StepMetrics(
+        run_id=run_id,
+        step=int(event["step"]),
+        rank=int(event["rank"]),
+        step_duration_us=(int(event["end_ns"]) - origin) / 1e3,
+    )
+    if event.get("loss") is not None:
+        metrics.loss = float(event["loss"])
+    timeline = metrics.timeline
+    timeline.rank, timeline.step = metrics.rank, metrics.step
+    peak = 0
+    for record in event["records"]:
+        message = timeline.records.add(
+            stream=record["stream"],
+            start_us=(int(record["start_ns"]) - origin) / 1e3,
+            end_us=(int(record["end_ns"]) - origin) / 1e3,
+            memory_after_bytes=int(record["held_bytes"]),
+        )
+        message.action.CopyFrom(action_to_proto(parse_action(record["action"])))
+        peak = max(peak, int(record["held_bytes"]))
+    timeline.peak_memory_bytes = peak
+    metrics.peak_memory_bytes = peak
+    return metrics

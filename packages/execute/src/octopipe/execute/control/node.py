@@ -1,0 +1,451 @@
+"""The node daemon: one per machine; runs the rank processes of the plans a coordinator pushes.
+
+A daemon registers with its coordinator, then heartbeats. On a push it checks
+the plan (structure, model source allowed here, enough slots, not busy with
+another run) and ACKs or NACKs with a reason; a re-push with the same nonce
+gets the same answer. The node of global rank 0 hosts the run's rendezvous
+store (a TCPStore on a free port, sent back in the ACK). Rank processes report
+every step through a queue; the daemon streams those metrics, tracks the run's
+state and, when a rank fails or the run is stopped, raises the run's abort
+flag so every rank everywhere leaves its waits, then kills what is left after
+a grace period. A daemon that cannot reach its coordinator for
+``fence_after_s`` stops its ranks itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import multiprocessing
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+import torch.distributed as dist
+
+from octopipe.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
+from octopipe.execute.control.common import (
+    RPC_DEADLINE_S,
+    TERMINAL_STATES,
+    Server,
+    Waiter,
+    start_server,
+    state_name,
+    step_metrics,
+)
+from octopipe.execute.control.security import CertPaths, secure_channel
+from octopipe.execute.linkprobe import free_port
+from octopipe.execute.runtime.models import WORKLOAD_SOURCE
+from octopipe.execute.runtime.worker import ABORT_KEY, WorkerConfig, worker_main
+from octopipe.node.v1 import node_pb2, node_pb2_grpc
+from octopipe.simulate.ir import PlanError, mesh_spec, validate_plan
+
+__all__ = ["NodeConfig", "NodeDaemon"]
+
+_SERVICE = "octopipe.node.v1.NodeService"
+_NODE_ONLY = frozenset({"node"})
+_ALLOWED = {
+    f"/{_SERVICE}/{method}": _NODE_ONLY
+    for method in ("PushPlan", "StopRun", "GetNodeStatus", "WatchNodeStatus", "StreamNodeMetrics")
+}
+_MAX_METRICS = 20_000
+
+
+@dataclass(kw_only=True)
+class NodeConfig:
+    node_id: str
+    coordinator: str
+    certs: Path
+    identity: str = "node"
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    #: the address others reach this node at (default: listen_host)
+    advertise_host: str = ""
+    #: rank processes this node runs at most
+    slots: int = 2
+    work_dir: Path = field(default_factory=lambda: Path("octopipe-node"))
+    #: model sources a pushed plan may name (``package.module:function``); the standard workloads always
+    allowed_model_sources: tuple[str, ...] = ()
+    rank_timeout_s: float = 60.0
+    stop_grace_s: float = 3.0
+    fence_after_s: float = 6.0
+    pin_cores: bool = True
+
+
+@dataclass
+class _Run:
+    run_id: str
+    version: int
+    nonce: str
+    request: node_pb2.PushPlanRequest
+    folder: Path
+    processes: list[Any] = field(default_factory=list)
+    events: Any = None
+    store: dist.TCPStore | None = None
+    state: int = node_pb2.RUN_STATE_STARTING
+    error: str = ""
+    steps_done: dict[int, int] = field(default_factory=dict)
+    metrics: collections.deque[node_pb2.StepMetrics] = field(
+        default_factory=lambda: collections.deque(maxlen=_MAX_METRICS)
+    )
+    metrics_seen: int = 0
+    response: node_pb2.PushPlanResponse | None = None
+
+
+class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
+    """Start with ``start()``; ``stop()`` stops every rank and the server."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self._identity = CertPaths(config.certs, config.identity)
+        self._lock = threading.RLock()
+        self._changed = Waiter()
+        self._run: _Run | None = None
+        self._stopping = threading.Event()
+        self._server: Server | None = None
+        self._threads: list[threading.Thread] = []
+        self._log = structlog.get_logger("octopipe.node").bind(node=config.node_id)
+        self._context = multiprocessing.get_context("spawn")
+        self.last_contact = time.monotonic()
+
+    # -- life cycle -------------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        if self._server is None:
+            raise RuntimeError("the daemon is not started")
+        port = self._server.address.rsplit(":", 1)[1]
+        return f"{self.config.advertise_host or self.config.listen_host}:{port}"
+
+    def start(self) -> NodeDaemon:
+        self.config.work_dir.mkdir(parents=True, exist_ok=True)
+        self._server = start_server(
+            host=self.config.listen_host,
+            port=self.config.listen_port,
+            identity=self._identity,
+            register=lambda server: node_pb2_grpc.add_NodeServiceServicer_to_server(self, server),
+            service_names=[_SERVICE],
+            allowed=_ALLOWED,
+        )
+        self._channel = secure_channel(self.config.coordinator, self._identity)
+        self._coordinator = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+        self._register()
+        thread = threading.Thread(target=self._heartbeat_loop, name="octopipe-heartbeat", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        self._log.info("node_started", address=self.address, slots=self.config.slots)
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._stop_run("the node daemon is shutting down", node_pb2.RUN_STATE_CANCELLED)
+        for thread in self._threads:
+            thread.join(timeout=5)
+        if self._server is not None:
+            self._server.stop()
+        self._channel.close()
+
+    def wait(self) -> None:
+        """Block until ``stop()`` (for the CLI)."""
+        while not self._stopping.wait(1.0):
+            pass
+
+    def _register(self) -> None:
+        devices = [coordinator_pb2.Device(kind="cpu", index=i, name="cpu") for i in range(self.config.slots)]
+        request = coordinator_pb2.RegisterNodeRequest(
+            node_id=self.config.node_id, address=self.address, devices=devices
+        )
+        response = self._coordinator.RegisterNode(request, timeout=RPC_DEADLINE_S)
+        self.heartbeat_interval_s = response.heartbeat_interval_ms / 1e3 or 0.5
+        self.last_contact = time.monotonic()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stopping.wait(self.heartbeat_interval_s):
+            try:
+                response = self._coordinator.Heartbeat(
+                    coordinator_pb2.HeartbeatRequest(node_id=self.config.node_id, status=self._status()),
+                    timeout=max(self.heartbeat_interval_s, 1.0),
+                )
+                self.last_contact = time.monotonic()
+                if not response.known:
+                    self._register()
+            except grpc.RpcError as exc:
+                silent = time.monotonic() - self.last_contact
+                if silent > self.config.fence_after_s and self._active():
+                    self._log.warning("coordinator_lost", silent_s=round(silent, 2), code=str(exc.code()))
+                    self._stop_run(
+                        f"node {self.config.node_id} lost contact with the coordinator for {silent:.1f} s",
+                        node_pb2.RUN_STATE_FAILED,
+                    )
+
+    # -- status -----------------------------------------------------------------------------------
+    def _active(self) -> bool:
+        with self._lock:
+            return self._run is not None and self._run.state not in TERMINAL_STATES
+
+    def _status(self) -> node_pb2.NodeStatus:
+        with self._lock:
+            status = node_pb2.NodeStatus(node_id=self.config.node_id)
+            status.observed_at.GetCurrentTime()
+            run = self._run
+            if run is not None:
+                status.run_id, status.plan_version = run.run_id, run.version
+                status.state = run.state  # type: ignore[assignment]
+                status.error = run.error
+                status.completed_steps = min(run.steps_done.values(), default=run.request.start_step)
+            return status
+
+    def _set_state(self, run: _Run, state: int, error: str = "") -> None:
+        with self._lock:
+            if run.state in TERMINAL_STATES:
+                return
+            run.state = state
+            if error and not run.error:
+                run.error = error
+        self._log.info("run_state", run=run.run_id, state=state_name(state), error=error or None)
+        self._changed.notify()
+
+    # -- RPCs -------------------------------------------------------------------------------------
+    def PushPlan(self, request: node_pb2.PushPlanRequest, context: grpc.ServicerContext) -> node_pb2.PushPlanResponse:
+        with self._lock:
+            current = self._run
+            if (
+                current is not None
+                and current.response is not None
+                and (current.run_id, current.nonce) == (request.run_id, request.nonce)
+            ):
+                return current.response
+            reason = self._refusal(request, current)
+            if reason:
+                self._log.info("push_refused", run=request.run_id, version=request.version, reason=reason)
+                return node_pb2.PushPlanResponse(
+                    accepted=False, reason=reason, version=request.version, nonce=request.nonce
+                )
+            run = _Run(
+                run_id=request.run_id,
+                version=request.version,
+                nonce=request.nonce,
+                request=request,
+                folder=self.config.work_dir / f"{request.run_id}-v{request.version}-{request.nonce[:8]}",
+            )
+            try:
+                port = self._launch(run)
+            except Exception as exc:  # a failure to start is a NACK, not a crash
+                self._kill(run)
+                return node_pb2.PushPlanResponse(
+                    accepted=False, reason=f"could not start ranks: {exc}", version=request.version, nonce=request.nonce
+                )
+            run.response = node_pb2.PushPlanResponse(
+                accepted=True, version=request.version, nonce=request.nonce, rendezvous_port=port
+            )
+            self._run = run
+        self._set_state(run, node_pb2.RUN_STATE_RUNNING)
+        monitor = threading.Thread(target=self._monitor, args=(run,), name=f"octopipe-run-{run.run_id}", daemon=True)
+        monitor.start()
+        return run.response
+
+    def _refusal(self, request: node_pb2.PushPlanRequest, current: _Run | None) -> str:
+        if current is not None and current.state not in TERMINAL_STATES:
+            if current.run_id != request.run_id:
+                return f"node {self.config.node_id} is busy with run {current.run_id}: stop it first"
+            if request.version <= current.version:
+                return f"version {request.version} is not newer than the running version {current.version}"
+            return f"run {current.run_id} is still running here: stop it before pushing version {request.version}"
+        if not request.HasField("plan") or not request.HasField("assignment"):
+            return "a push needs a plan and an assignment"
+        try:
+            validate_plan(request.plan)
+            world = mesh_spec(request.plan).world_size
+        except PlanError as exc:
+            return f"invalid plan: {exc}"
+        assignment = request.assignment
+        if assignment.world_size != world:
+            return f"assignment world size {assignment.world_size} does not match the plan's {world} ranks"
+        ranks = list(assignment.ranks)
+        if not ranks or len(set(ranks)) != len(ranks) or any(r >= world for r in ranks):
+            return f"assignment ranks {ranks} must be distinct ranks below {world}"
+        if len(ranks) > self.config.slots:
+            return f"{len(ranks)} ranks assigned, but node {self.config.node_id} has {self.config.slots} slots"
+        if assignment.backend not in ("", "gloo"):
+            return f"backend {assignment.backend!r} is not available on this node: use gloo"
+        source = request.plan.model.source
+        if source != WORKLOAD_SOURCE and source not in self.config.allowed_model_sources:
+            return f"model source {source!r} is not allowed here: start the daemon with --allow-model-source {source}"
+        if 0 not in ranks and not assignment.rendezvous_port:
+            return "no rendezvous port: push to the node of rank 0 first, then pass its port to the others"
+        if request.resume and not request.checkpoint_dir:
+            return "a resume needs checkpoint_dir"
+        return ""
+
+    def _launch(self, run: _Run) -> int:
+        request, assignment = run.request, run.request.assignment
+        host = assignment.rendezvous_host or "127.0.0.1"
+        port = assignment.rendezvous_port
+        if 0 in assignment.ranks:
+            port = port or free_port()
+            run.store = dist.TCPStore(
+                host,
+                port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=self.config.rank_timeout_s),
+            )
+        if run.folder.exists():
+            shutil.rmtree(run.folder)
+        run.folder.mkdir(parents=True)
+        steps = (request.num_steps - request.start_step) if request.num_steps else 1 << 30
+        base = WorkerConfig(
+            plans=(request.plan.SerializeToString(),),
+            rank=0,
+            world_size=assignment.world_size,
+            store_host=host,
+            store_port=port,
+            result_dir=str(run.folder),
+            steps=steps,
+            seed=request.seed,
+            timeout_s=self.config.rank_timeout_s,
+            pin_cores=self.config.pin_cores,
+            start_step=request.start_step,
+            checkpoint_dir=request.checkpoint_dir,
+            checkpoint_every=request.checkpoint_every,
+            resume=request.resume,
+        )
+        run.events = self._context.Queue()
+        for rank in assignment.ranks:
+            config = WorkerConfig(**{**base.__dict__, "rank": rank})
+            process = self._context.Process(
+                target=worker_main, args=(config, run.events), name=f"octopipe-rank{rank}", daemon=False
+            )
+            process.start()
+            run.processes.append(process)
+            run.steps_done[rank] = request.start_step
+        self._log.info("ranks_started", run=run.run_id, ranks=list(assignment.ranks), rendezvous=f"{host}:{port}")
+        return port
+
+    def _drain(self, run: _Run) -> None:
+        while True:
+            try:
+                event = run.events.get_nowait()
+            except Exception:  # queue.Empty (or a closed queue)
+                return
+            metrics = step_metrics(run.run_id, event)
+            with self._lock:
+                run.metrics.append(metrics)
+                run.metrics_seen += 1
+                run.steps_done[metrics.rank] = metrics.step + 1
+            self._changed.notify()
+
+    def _monitor(self, run: _Run) -> None:
+        """Follow the rank processes until they end; a failure raises the abort flag for every node."""
+        while True:
+            self._drain(run)
+            codes = [p.exitcode for p in run.processes]
+            if all(code == 0 for code in codes):
+                self._drain(run)
+                self._set_state(run, node_pb2.RUN_STATE_DONE)
+                return
+            if any(code not in (None, 0) for code in codes):
+                self._fail_from_ranks(run)
+                return
+            with self._lock:
+                if run.state in TERMINAL_STATES:
+                    return
+            time.sleep(0.05)
+
+    def _fail_from_ranks(self, run: _Run) -> None:
+        errors = sorted(run.folder.glob("rank*.error"), key=lambda p: p.stat().st_mtime)
+        first = errors[0].read_text().split("\n\n")[0] if errors else "a rank process died without a message"
+        codes = {p.name: p.exitcode for p in run.processes}
+        self._set_state(run, node_pb2.RUN_STATE_FAILED, f"node {self.config.node_id}: {first} (exit codes {codes})")
+        self._abort_everywhere(run, f"node {self.config.node_id}: {first}")
+        self._kill(run)
+
+    def _abort_everywhere(self, run: _Run, reason: str) -> None:
+        """Raise the run's abort flag in its rendezvous store, so ranks on every node leave their waits."""
+        assignment = run.request.assignment
+        try:
+            store = run.store or dist.TCPStore(
+                assignment.rendezvous_host or "127.0.0.1",
+                assignment.rendezvous_port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=2),
+            )
+            if not store.check([ABORT_KEY]):
+                store.set(ABORT_KEY, reason)
+        except Exception as exc:  # the store's node may be gone: ranks then fail their own waits
+            self._log.warning("abort_flag_unreachable", run=run.run_id, error=str(exc))
+
+    def _kill(self, run: _Run) -> None:
+        deadline = time.monotonic() + self.config.stop_grace_s
+        for process in run.processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process in run.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+
+    def _stop_run(self, reason: str, state: int) -> int:
+        with self._lock:
+            run = self._run
+        if run is None:
+            return node_pb2.RUN_STATE_UNSPECIFIED
+        if run.state not in TERMINAL_STATES:
+            self._set_state(run, state, reason)
+            self._abort_everywhere(run, reason)
+            self._kill(run)
+        return run.state
+
+    def StopRun(self, request: node_pb2.StopRunRequest, context: grpc.ServicerContext) -> node_pb2.StopRunResponse:
+        with self._lock:
+            run = self._run
+        if run is None or run.run_id != request.run_id:
+            return node_pb2.StopRunResponse(state=node_pb2.RUN_STATE_UNSPECIFIED)
+        state = self._stop_run(request.reason or "stopped by the coordinator", node_pb2.RUN_STATE_CANCELLED)
+        return node_pb2.StopRunResponse(state=state)  # type: ignore[arg-type]
+
+    def GetNodeStatus(
+        self, request: node_pb2.GetNodeStatusRequest, context: grpc.ServicerContext
+    ) -> node_pb2.GetNodeStatusResponse:
+        return node_pb2.GetNodeStatusResponse(status=self._status())
+
+    def WatchNodeStatus(self, request: node_pb2.WatchNodeStatusRequest, context: grpc.ServicerContext) -> Any:
+        seen = -1
+        last: bytes = b""
+        while context.is_active() and not self._stopping.is_set():
+            status = self._status()
+            key = status.SerializeToString(deterministic=True)
+            if key != last:
+                last = key
+                yield node_pb2.WatchNodeStatusResponse(status=status)
+                if status.run_id == request.run_id and status.state in TERMINAL_STATES:
+                    return
+            seen = self._changed.wait(seen, 1.0)
+
+    def StreamNodeMetrics(self, request: node_pb2.StreamNodeMetricsRequest, context: grpc.ServicerContext) -> Any:
+        sent = 0
+        seen = -1
+        while context.is_active() and not self._stopping.is_set():
+            with self._lock:
+                run = self._run
+                if run is None or run.run_id != request.run_id:
+                    fresh: list[node_pb2.StepMetrics] = []
+                    done = run is not None
+                else:
+                    start = max(sent, run.metrics_seen - len(run.metrics))
+                    fresh = list(run.metrics)[start - (run.metrics_seen - len(run.metrics)) :]
+                    sent = run.metrics_seen
+                    done = run.state in TERMINAL_STATES
+            for metrics in fresh:
+                yield node_pb2.StreamNodeMetricsResponse(metrics=metrics)
+            if done:
+                return
+            seen = self._changed.wait(seen, 1.0)
+
+
+def default_node_id() -> str:
+    return f"{os.uname().nodename}-{os.getpid()}"

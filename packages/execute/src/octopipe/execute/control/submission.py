@@ -1,0 +1,48 @@
+"""Checking a plan that arrives over the network before anything runs it.
+
+Bounds come first (so a hostile plan cannot make verification itself slow),
+then the IR's structural check, the mesh, the model reference, and the
+simulator's static verifier (deadlocks, missing inputs, unmatched sends).
+"""
+
+from __future__ import annotations
+
+from octopipe.plan.v1 import plan_pb2
+from octopipe.simulate import VerificationError, verify_plan
+from octopipe.simulate.ir import PlanError, mesh_spec
+
+__all__ = ["MAX_ACTIONS", "MAX_MICROBATCHES", "MAX_RANKS", "check_plan"]
+
+MAX_RANKS = 16_384
+MAX_MICROBATCHES = 65_536
+MAX_ACTIONS = 2_000_000
+MAX_STEPS = 10_000_000
+
+
+def _layers(plan: plan_pb2.Plan) -> list[str]:
+    return sorted(layer for stage in plan.stages for layer in stage.layer_names)
+
+
+def check_plan(plan: plan_pb2.Plan, *, num_steps: int = 0, like: plan_pb2.Plan | None = None) -> str:
+    """What is wrong with ``plan`` for a run (empty when nothing is); ``like``: a plan it must share layers with."""
+    if len(plan.ranks) > MAX_RANKS:
+        return f"the plan has {len(plan.ranks)} ranks; at most {MAX_RANKS} are accepted"
+    if plan.num_microbatches > MAX_MICROBATCHES:
+        return f"the plan has {plan.num_microbatches} micro-batches; at most {MAX_MICROBATCHES} are accepted"
+    actions = sum(len(program.actions) for program in plan.ranks)
+    if actions > MAX_ACTIONS:
+        return f"the plan has {actions} actions; at most {MAX_ACTIONS} are accepted"
+    if num_steps > MAX_STEPS:
+        return f"num_steps {num_steps} is more than {MAX_STEPS}"
+    if not plan.model.source or not plan.model.name:
+        return "the plan names no model: set model.name and model.source (e.g. octopipe.examples:workload)"
+    try:
+        mesh_spec(plan)
+        verify_plan(plan)
+    except (PlanError, VerificationError) as exc:
+        return f"the plan does not verify: {exc}"
+    except RecursionError:
+        return "the plan nests actions too deeply"
+    if like is not None and _layers(plan) != _layers(like):
+        return "the new plan must hold the same layers as the run's plan (a resume keeps the model)"
+    return ""

@@ -1,0 +1,30 @@
+"""A coordinator and two node daemons on loopback run a plan; losses equal the local launcher's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from octopipe.execute.runtime import run_local
+from octopipe.node.v1 import node_pb2
+from tests.execute.control_cluster import cluster, llama_plan
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_daemons_run_a_plan_like_the_local_launcher(tmp_path: Path) -> None:
+    plan = llama_plan()
+    expected = run_local(plan, steps=3, pin_cores=False).losses
+    with cluster(tmp_path) as running, running.client() as client:
+        run_id = client.submit(plan, steps=3)
+        run = client.wait(run_id, timeout_s=120)
+        assert run.state == node_pb2.RUN_STATE_DONE, run.error
+        assert run.completed_steps == 3
+        assert list(run.rank_nodes) == ["node0", "node1"]
+        metrics = client.metrics(run_id)
+    last_rank = plan.stages[-1].rank
+    losses = [m.loss for m in sorted(metrics, key=lambda m: m.step) if m.rank == last_rank]
+    assert losses == expected  # bitwise: the same ops in the same order
+    assert {(m.rank, m.step) for m in metrics} == {(r, s) for r in (0, 1) for s in range(3)}
+    assert all(m.timeline.records for m in metrics)
