@@ -9,6 +9,7 @@ and action.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from octopipe.simulate.collectives import GroupLinks, all_gather_us, all_reduce_us, all_to_all_us, reduce_scatter_us
 from octopipe.simulate.costs import CostModel, Link, OverlapModel, StageCost, durations_from_timelines
 from octopipe.simulate.errors import (
     ActionCountError,
@@ -21,12 +22,14 @@ from octopipe.simulate.estimate import Estimate, PathStep, RankEstimate
 from octopipe.simulate.ir import (
     Action,
     ActionKind,
+    MeshSpec,
     PlanError,
     StageSpec,
     build_plan,
     format_action,
     format_grid,
     load_plan,
+    mesh_spec,
     parse_action,
     plan_from_text,
     plan_from_torch_csv,
@@ -53,8 +56,10 @@ __all__ = [
     "CostModel",
     "DeadlockError",
     "Estimate",
+    "GroupLinks",
     "Link",
     "MemoryCapError",
+    "MeshSpec",
     "MissingInputError",
     "OverlapModel",
     "PathStep",
@@ -66,11 +71,15 @@ __all__ = [
     "StageSpec",
     "VerificationError",
     "__version__",
+    "all_gather_us",
+    "all_reduce_us",
+    "all_to_all_us",
     "build_plan",
     "durations_from_timelines",
     "format_action",
     "format_grid",
     "load_plan",
+    "mesh_spec",
     "parse_action",
     "plan_from_text",
     "plan_from_torch_csv",
@@ -78,6 +87,7 @@ __all__ = [
     "plan_to_torch_csv",
     "plot_timeline",
     "rank_actions",
+    "reduce_scatter_us",
     "save_plan",
     "simulate",
     "to_chrome_trace",

@@ -1,10 +1,33 @@
-"""Costs bound to a compiled program: a duration and memory deltas for every step."""
+"""Costs bound to a compiled program: a duration and memory deltas for every step.
+
+Plans with a mesh of dp > 1 (data parallelism; see ``octopipe.simulate.ir.mesh``):
+
+* time: with ``CostModel.collectives`` set, UNSHARD is a ring all-gather of
+  the stage's unsharded bytes and REDUCE_GRAD a ring reduce-scatter of its
+  gradient bytes over the pipeline rank's data-parallel group (an all-reduce
+  for a stage without UNSHARD, whose parameters are replicated); with ep > 1
+  each F, I and B also pays its stage's MoE all-to-alls over the
+  expert-parallel group (a unit of OVERLAP_F_B takes the longer of its compute
+  and its two halves' all-to-alls: each half's all-to-all runs under the other
+  half's compute). Formulas: ``octopipe.simulate.collectives``. Measured
+  ``durations_us`` win over all of this.
+* memory: a stage with UNSHARD is sharded (FSDP): its parameters, gradients
+  and optimizer state count 1/dp (rounded up) as static bytes; UNSHARD holds
+  the unsharded parameters until RESHARD (as without a mesh); its unsharded
+  gradients are held from the start of its first weight-gradient computation
+  (W, B, or an OVERLAP_F_B with a B of it) until REDUCE_GRAD ends, after which
+  only the sharded gradients (in the static bytes) remain. A stage without
+  UNSHARD is replicated: whole static bytes, as without a mesh.
+
+Without a mesh (or with dp = ep = 1) nothing here changes a duration or a byte.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from octopipe.simulate.costs import CostModel
+from octopipe.simulate.collectives import all_gather_us, all_reduce_us, all_to_all_us, reduce_scatter_us
+from octopipe.simulate.costs import CostModel, StageCost
 from octopipe.simulate.ir.actions import ActionKind
 from octopipe.simulate.program import (
     OVERLAP,
@@ -33,13 +56,16 @@ _KINDS: dict[int, ActionKind] = {
 
 @dataclass(eq=False)
 class Bound:
-    """Per step: duration, bytes allocated at its start and freed at its end (compute),
-    bytes held from UNSHARD to RESHARD; per transfer: duration and bytes; per rank: static bytes."""
+    """Per step: duration, activation bytes allocated at its start and freed at its end (compute),
+    other bytes taken (+) or given back (-) at its start (``unsharded``: UNSHARD to RESHARD, unsharded
+    gradients) and given back at its end (``released``: gradients after REDUCE_GRAD); per transfer:
+    duration and bytes; per rank: static bytes."""
 
     durations: list[list[float]]
     allocs: list[list[int]]
     frees: list[list[int]]
     unsharded: list[list[int]]
+    released: list[list[int]]
     transfer_us: list[float]
     transfer_bytes: list[int]
     static_bytes: list[int]
@@ -56,6 +82,9 @@ def bind(program: Program, costs: CostModel) -> Bound:
     table: dict[tuple[int, int], float] = {
         (s, code): costs.duration_us(s, kind) for s in range(num_stages) for code, kind in _KINDS.items()
     }
+    a2a = [0.0] * num_stages
+    if costs.collectives is not None and (program.dp > 1 or program.ep > 1):
+        a2a = _mesh_durations(program, costs, table)
     saved = [stage.activation_bytes for stage in costs.stages]
     freed_by_input = [stage.freed_by_backward_input_bytes for stage in costs.stages]
     unsharded_bytes = [
@@ -86,7 +115,9 @@ def bind(program: Program, costs: CostModel) -> Bound:
             elif kind == OVERLAP:
                 key = (label[1], label[4], label[3])
                 if key not in overlap_cache:
-                    overlap_cache[key] = costs.overlap_us(label[1], label[4], _KINDS[label[3]])
+                    unit = costs.overlap_us(label[1], label[4], _KINDS[label[3]])
+                    exchanged = a2a[label[1]] + a2a[label[4]]
+                    overlap_cache[key] = exchanged if exchanged > unit else unit
                 d_row[step] = overlap_cache[key]
                 a_row[step] = saved[label[1]]
                 f_row[step] = frees_by_kind[label[3]][label[4]]
@@ -110,15 +141,67 @@ def bind(program: Program, costs: CostModel) -> Bound:
             link_cache[key] = costs.link(source, destination).transfer_us(size)
         transfer_us.append(link_cache[key])
     static = [0] * program.num_ranks
+    released = [[0] * len(row) for row in program.labels]
     for stage, rank in enumerate(program.placement):
-        static[rank] += costs.stages[stage].static_bytes
+        cost = costs.stages[stage]
+        if program.dp > 1 and stage in program.sharded_stages:
+            static[rank] += _sharded_static(cost, program.dp)
+            _hold_gradients(program, rank, stage, cost.gradient_bytes, unsharded[rank], released[rank])
+        else:
+            static[rank] += cost.static_bytes
     return Bound(
         durations=durations,
         allocs=allocs,
         frees=frees,
         unsharded=unsharded,
+        released=released,
         transfer_us=transfer_us,
         transfer_bytes=transfer_bytes,
         static_bytes=static,
         microbatch_size=costs.microbatch_size,
     )
+
+
+def _mesh_durations(program: Program, costs: CostModel, table: dict[tuple[int, int], float]) -> list[float]:
+    """Time collectives by group size in ``table``; return each stage's all-to-all time per F (or I, B)."""
+    links = costs.collectives
+    assert links is not None
+    measured = costs.durations_us
+    a2a = [0.0] * program.num_stages
+    for stage, rank in enumerate(program.placement):
+        cost = costs.stages[stage]
+        if program.dp > 1:
+            if (stage, ActionKind.UNSHARD) not in measured:
+                held = cost.parameter_bytes if cost.unsharded_bytes is None else cost.unsharded_bytes
+                table[stage, UNSHARD] = all_gather_us(links.data_parallel_link(rank), program.dp, held)
+            if (stage, ActionKind.REDUCE_GRAD) not in measured:
+                reduce = reduce_scatter_us if stage in program.sharded_stages else all_reduce_us
+                table[stage, REDUCE_GRAD] = reduce(links.data_parallel_link(rank), program.dp, cost.gradient_bytes)
+        if program.ep > 1 and cost.all_to_all_bytes:
+            a2a[stage] = all_to_all_us(links.expert_parallel_link(rank), program.ep, cost.all_to_all_bytes)
+            for code in (F, I, B):
+                if (stage, _KINDS[code]) not in measured:
+                    table[stage, code] += a2a[stage]
+    return a2a
+
+
+def _sharded_static(cost: StageCost, dp: int) -> int:
+    """Parameters, gradients and optimizer state of an FSDP stage: 1/dp of each, rounded up."""
+    return sum(-(-size // dp) for size in (cost.parameter_bytes, cost.gradient_bytes, cost.optimizer_state_bytes))
+
+
+def _hold_gradients(program: Program, rank: int, stage: int, size: int, taken: list[int], given: list[int]) -> None:
+    """Unsharded gradients of an FSDP stage: from its first weight-gradient step to the end of its REDUCE_GRAD."""
+    if not size:
+        return
+    first = -1
+    for step, label in enumerate(program.labels[rank]):
+        kind = label[0]
+        if first < 0 and (
+            (kind in (W, B) and label[1] == stage) or (kind == OVERLAP and label[3] == B and label[4] == stage)
+        ):
+            first = step
+            taken[step] += size
+        elif kind == REDUCE_GRAD and label[1] == stage and first >= 0:
+            given[step] += size
+            return

@@ -15,10 +15,14 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate.ir.actions import ActionKind
+
+if TYPE_CHECKING:
+    from octopipe.simulate.collectives import GroupLinks
 
 __all__ = [
     "CostModel",
@@ -47,7 +51,9 @@ class StageCost:
     ``output_bytes`` is the boundary tensor sent to the next stage (the
     gradient sent back to this stage has the same size).
     ``unsharded_bytes`` is what UNSHARD holds until RESHARD (None: the
-    parameter bytes).
+    parameter bytes). ``all_to_all_bytes``: what each rank of an
+    expert-parallel group sends in the stage's MoE all-to-alls in one F (and
+    again in one I or B); timed only in plans whose mesh has ep > 1.
     """
 
     forward_us: float = 0.0
@@ -63,6 +69,7 @@ class StageCost:
     unsharded_bytes: int | None = None
     unshard_us: float = 0.0
     reduce_grad_us: float = 0.0
+    all_to_all_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("forward_us", "backward_input_us", "backward_weight_us", "unshard_us", "reduce_grad_us"):
@@ -76,7 +83,14 @@ class StageCost:
                 f"StageCost.freed_by_backward_input_bytes ({self.freed_by_backward_input_bytes}) must be between 0 "
                 f"and activation_bytes ({self.activation_bytes}): I frees part of what F saved"
             )
-        for name in ("activation_bytes", "parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "output_bytes"):
+        for name in (
+            "activation_bytes",
+            "parameter_bytes",
+            "gradient_bytes",
+            "optimizer_state_bytes",
+            "output_bytes",
+            "all_to_all_bytes",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"StageCost.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -164,6 +178,15 @@ class CostModel:
     measured duration that replaces the stage cost's (kinds F, I, W, B, UNSHARD,
     REDUCE_GRAD). ``fused_us`` maps ``(forward stage, backward stage)`` to a
     measured OVERLAP_F_B duration.
+
+    ``collectives`` (:class:`~octopipe.simulate.collectives.GroupLinks`) times
+    the collectives of plans with a mesh: with it, and dp > 1, UNSHARD is a
+    ring all-gather of the stage's unsharded bytes and REDUCE_GRAD a ring
+    reduce-scatter (all-reduce for a stage without UNSHARD) of its gradient
+    bytes over the data-parallel group; with ep > 1 the stage's all-to-alls
+    are added to F, I and B. Measured ``durations_us`` still win. Without it
+    (or without a mesh) the StageCost's ``unshard_us`` / ``reduce_grad_us``
+    apply, as before.
     """
 
     stages: tuple[StageCost, ...]
@@ -173,6 +196,7 @@ class CostModel:
     durations_us: Mapping[tuple[int, ActionKind], float] = field(default_factory=dict)
     fused_us: Mapping[tuple[int, int], float] = field(default_factory=dict)
     microbatch_size: int = 1
+    collectives: GroupLinks | None = None
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -212,7 +236,11 @@ class CostModel:
 
         ``collective_bandwidth_bytes_per_second`` times UNSHARD (parameter bytes)
         and REDUCE_GRAD (gradient bytes); without it collectives take no time.
+        The Profile's ``collectives`` (per group kind) become ``collectives``,
+        which time them by group size in plans with a mesh.
         """
+        from octopipe.simulate.collectives import GroupLinks  # noqa: PLC0415 - it imports Link from here
+
         layers = {layer.layer_name: layer for layer in profile.layers}
         stage_layers = [tuple(stage.layer_names) for stage in plan.stages]
         costs = [
@@ -243,6 +271,7 @@ class CostModel:
             durations_us=dict(durations_us or {}),
             fused_us=fused,
             microbatch_size=max(1, profile.microbatch_size),
+            collectives=GroupLinks.from_profile(profile),
         )
 
     def link(self, source: int, destination: int) -> Link:
@@ -312,6 +341,7 @@ def _stage_cost(
             output_bytes=sum(t.size_bytes for t in costs[-1].output_tensors),
             unshard_us=0.0 if bandwidth is None else params / bandwidth * 1e6,
             reduce_grad_us=0.0 if bandwidth is None else grads / bandwidth * 1e6,
+            all_to_all_bytes=sum(c.all_to_all_bytes for c in costs),
         )
     except ValueError as exc:
         raise ValueError(f"stage {index} (layers {list(names)}): {exc}") from None

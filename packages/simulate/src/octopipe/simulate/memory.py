@@ -55,6 +55,10 @@ def memory_events(program: Program, timing: Timing, bound: Bound, rank: int) -> 
         if size:
             time = starts[step]
             deltas[time] = get(time, 0) + size
+    for step, size in enumerate(bound.released[rank]):
+        if size:
+            time = ends[step]
+            deltas[time] = get(time, 0) - size
     codes, sizes, consumer = program.codes[rank], bound.transfer_bytes, program.consumer
     for step, transfer in enumerate(program.transfer_of[rank]):
         if transfer < 0 or not sizes[transfer]:
@@ -99,8 +103,10 @@ def memory_use(program: Program, timing: Timing, bound: Bound, rank: int, cap_by
                 peak_activation, activation_time, activation_step = live, starts[step], step
         live -= frees[step]
     static = bound.static_bytes[rank]
-    simple = not any(bound.unsharded[rank]) and not any(
-        transfer >= 0 and bound.transfer_bytes[transfer] for transfer in program.transfer_of[rank]
+    simple = (
+        not any(bound.unsharded[rank])
+        and not any(bound.released[rank])
+        and not any(transfer >= 0 and bound.transfer_bytes[transfer] for transfer in program.transfer_of[rank])
     )
     if simple and (cap_bytes is None or static + peak_activation <= cap_bytes):
         return MemoryUse(

@@ -145,6 +145,11 @@ def simulate(
     Every check of ``verify_plan`` runs, except that, for speed, which optional
     fields are set is not re-checked: plans from ``build_plan``, ``load_plan``
     and the generators are valid; run ``validate_plan`` on hand-made protos.
+
+    With a mesh, one pipeline replica is simulated (every replica runs the same
+    programs at the same times); collectives are timed and memory is counted
+    as ``octopipe.simulate.bind`` describes, and ``samples_per_step`` counts
+    every replica's micro-batches (m x micro-batch size x dp).
     """
     config = config or SimulationConfig()
     model = costs if isinstance(costs, CostModel) else CostModel.from_profile(plan, costs)
@@ -199,7 +204,8 @@ def _finish(
                 hidden_communication_us=hidden,
             )
         )
-    samples = program.num_microbatches * bound.microbatch_size
+    # every data-parallel replica of the pipeline runs the same step on its own micro-batches
+    samples = program.num_microbatches * bound.microbatch_size * program.dp
     per_second = samples * 1e6 / step_time if step_time > 0 else math.inf
     path = critical_path(program, timing) if config.critical_path else []
     total_idle = sum(r.idle_us for r in ranks)
