@@ -1,0 +1,254 @@
+"""``octopipe certs | coordinator | node | submit | runs | cancel | resume``: the control plane's commands.
+
+Exit codes: 0 done, 2 bad usage or a refused request (the message says what to
+change), 3 the run ended failed or cancelled, 4 the coordinator could not be
+reached or a wait timed out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format
+
+from octopipe.execute.control.common import state_name
+from octopipe.node.v1 import node_pb2
+
+__all__ = ["EXIT_RUN_FAILED", "EXIT_UNREACHABLE", "add_parser"]
+
+EXIT_RUN_FAILED = 3
+EXIT_UNREACHABLE = 4
+
+
+def _certs_option(parser: argparse.ArgumentParser, identity: str) -> None:
+    parser.add_argument("--certs", type=Path, required=True, help="the folder `octopipe certs make` wrote")
+    parser.add_argument(
+        "--identity", default=identity, help=f"which certificate in --certs to use (default {identity})"
+    )
+
+
+def _client_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--coordinator", required=True, help="the coordinator's host:port")
+    _certs_option(parser, "admin")
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+
+def add_parser(sub: Any) -> None:
+    certs = sub.add_parser("certs", help="make a CA and certificates for a test cluster")
+    certs_sub = certs.add_subparsers(dest="certs_command", metavar="CERTS_COMMAND", required=True)
+    make = certs_sub.add_parser("make", help="write ca.pem and coordinator/node/admin certificates into DIR")
+    make.add_argument("folder", type=Path)
+    make.add_argument(
+        "--hosts", nargs="+", default=["127.0.0.1", "localhost"], help="addresses the servers are reached at"
+    )
+    make.set_defaults(handler=_certs_make)
+
+    coordinator = sub.add_parser("coordinator", help="run the coordinator (gRPC, mutual TLS)")
+    coordinator.add_argument("--listen", default="127.0.0.1:50051", help="host:port to serve on (port 0: any)")
+    _certs_option(coordinator, "coordinator")
+    coordinator.add_argument("--state-dir", type=Path, default=Path("octopipe-coordinator"))
+    coordinator.add_argument("--checkpoint-root", type=Path, help="shared storage for run checkpoints")
+    coordinator.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence = node lost")
+    coordinator.set_defaults(handler=_coordinator)
+
+    node = sub.add_parser("node", help="run a node daemon: registers with the coordinator and runs ranks")
+    node.add_argument("--coordinator", required=True, help="the coordinator's host:port")
+    _certs_option(node, "node")
+    node.add_argument("--node-id", required=True)
+    node.add_argument("--listen", default="127.0.0.1:0", help="host:port to serve on (port 0: any)")
+    node.add_argument("--advertise", default="", help="the host others reach this node at (default: --listen host)")
+    node.add_argument("--slots", type=int, default=1, help="rank processes this node runs")
+    node.add_argument("--work-dir", type=Path, default=Path("octopipe-node"))
+    node.add_argument("--allow-model-source", action="append", default=[], help="package.module:function")
+    node.add_argument(
+        "--fence-after", type=float, default=6.0, help="stop ranks after this long without the coordinator"
+    )
+    node.add_argument("--rank-timeout", type=float, default=60.0, help="seconds a rank may wait for a message")
+    node.add_argument("--no-pin", action="store_true", help="do not pin each rank to its own core")
+    node.set_defaults(handler=_node)
+
+    submit = sub.add_parser("submit", help="submit a plan to a coordinator")
+    submit.add_argument("plan", type=Path, help="plan file (.binpb, .json, .txt, .csv) naming its model")
+    _client_options(submit)
+    submit.add_argument("--steps", type=int, default=3)
+    submit.add_argument("--run-id", default="")
+    submit.add_argument("--seed", type=int, default=0)
+    submit.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none)")
+    submit.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the run to end")
+    submit.set_defaults(handler=_submit)
+
+    runs = sub.add_parser("runs", help="list a coordinator's runs (or show one)")
+    runs.add_argument("run_id", nargs="?")
+    _client_options(runs)
+    runs.set_defaults(handler=_runs)
+
+    cancel = sub.add_parser("cancel", help="stop a run on every node")
+    cancel.add_argument("run_id")
+    _client_options(cancel)
+    cancel.set_defaults(handler=_cancel)
+
+    resume = sub.add_parser("resume", help="restart a failed or cancelled run from its last checkpoint")
+    resume.add_argument("run_id")
+    _client_options(resume)
+    resume.add_argument("--plan", type=Path, help="a re-tuned plan with the same layers (e.g. for fewer nodes)")
+    resume.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the run to end")
+    resume.set_defaults(handler=_resume)
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def _err(text: str) -> None:
+    sys.stderr.write(text + "\n")
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{text!r} is not host:port (e.g. 127.0.0.1:50051)")
+    return host, int(port)
+
+
+def _serve_until_signal(stop: Any) -> None:
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    while not done.wait(0.5):
+        pass
+    stop()
+
+
+def _certs_make(args: argparse.Namespace) -> int:
+    from octopipe.execute.control.security import make_certs  # noqa: PLC0415
+
+    paths = make_certs(args.folder, hosts=args.hosts)
+    _out(f"wrote a CA and certificates {sorted(paths)} for {args.hosts} into {args.folder}")
+    return 0
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from octopipe.execute.control import Coordinator, CoordinatorConfig  # noqa: PLC0415
+
+    host, port = _host_port(args.listen)
+    config = CoordinatorConfig(
+        certs=args.certs,
+        identity=args.identity,
+        listen_host=host,
+        listen_port=port,
+        state_dir=args.state_dir,
+        checkpoint_root=args.checkpoint_root,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+    )
+    coordinator = Coordinator(config).start()
+    _out(f"coordinator listening on {coordinator.address}")
+    _serve_until_signal(coordinator.stop)
+    return 0
+
+
+def _node(args: argparse.Namespace) -> int:
+    from octopipe.execute.control import NodeConfig, NodeDaemon  # noqa: PLC0415
+
+    host, port = _host_port(args.listen)
+    config = NodeConfig(
+        node_id=args.node_id,
+        coordinator=args.coordinator,
+        certs=args.certs,
+        identity=args.identity,
+        listen_host=host,
+        listen_port=port,
+        advertise_host=args.advertise,
+        slots=args.slots,
+        work_dir=args.work_dir,
+        allowed_model_sources=tuple(args.allow_model_source),
+        fence_after_s=args.fence_after,
+        rank_timeout_s=args.rank_timeout,
+        pin_cores=not args.no_pin,
+    )
+    daemon = NodeDaemon(config).start()
+    _out(f"node {args.node_id} serving on {daemon.address}")
+    _serve_until_signal(daemon.stop)
+    return 0
+
+
+def _print_run(run: Any, as_json: bool) -> None:
+    if as_json:
+        _out(json.dumps(json_format.MessageToDict(run, preserving_proto_field_name=True)))
+        return
+    line = f"{run.run_id}  {state_name(run.state)}  version {run.plan_version}  steps {run.completed_steps}/{run.num_steps}"
+    if run.last_checkpoint_step:
+        line += f"  checkpoint {run.last_checkpoint_step}"
+    if run.error:
+        line += f"  error: {run.error}"
+    _out(line)
+
+
+def _with_client(args: argparse.Namespace, action: Any) -> int:
+    from octopipe.execute.control.client import ControlClient, ControlError  # noqa: PLC0415
+
+    try:
+        with ControlClient(args.coordinator, args.certs, args.identity) as client:
+            return int(action(client))
+    except ControlError as exc:
+        _err(f"octopipe: error: {exc}")
+        return EXIT_UNREACHABLE if exc.code.name == "UNAVAILABLE" else 2
+    except TimeoutError as exc:
+        _err(f"octopipe: error: {exc}: wait longer or check `octopipe runs`")
+        return EXIT_UNREACHABLE
+
+
+def _finish(client: Any, run_id: str, wait_s: float, as_json: bool) -> int:
+    run = client.wait(run_id, timeout_s=wait_s) if wait_s > 0 else client.run(run_id)
+    _print_run(run, as_json)
+    failed = run.state in (node_pb2.RUN_STATE_FAILED, node_pb2.RUN_STATE_CANCELLED)
+    return EXIT_RUN_FAILED if failed else 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from octopipe.simulate.ir import load_plan  # noqa: PLC0415
+
+    plan = load_plan(args.plan)
+
+    def action(client: Any) -> int:
+        run_id = client.submit(
+            plan, steps=args.steps, run_id=args.run_id, checkpoint_every=args.checkpoint_every, seed=args.seed
+        )
+        return _finish(client, run_id, args.wait, args.json)
+
+    return _with_client(args, action)
+
+
+def _runs(args: argparse.Namespace) -> int:
+    def action(client: Any) -> int:
+        for run in [client.run(args.run_id)] if args.run_id else client.runs():
+            _print_run(run, args.json)
+        return 0
+
+    return _with_client(args, action)
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    def action(client: Any) -> int:
+        _print_run(client.cancel(args.run_id), args.json)
+        return 0
+
+    return _with_client(args, action)
+
+
+def _resume(args: argparse.Namespace) -> int:
+    from octopipe.simulate.ir import load_plan  # noqa: PLC0415
+
+    plan = load_plan(args.plan) if args.plan else None
+
+    def action(client: Any) -> int:
+        client.resume(args.run_id, plan)
+        return _finish(client, args.run_id, args.wait, args.json)
+
+    return _with_client(args, action)
