@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,3 +84,45 @@ def cluster(root: Path, nodes: int = 2, **options: object) -> Iterator[Cluster]:
             with contextlib.suppress(Exception):
                 node.stop()
         coordinator.stop()
+
+
+def node_process(
+    running: Cluster,
+    node_id: str,
+    *,
+    slots: int = 1,
+    prefix: Sequence[str] = (),
+    listen: str = "127.0.0.1:0",
+    coordinator: str | None = None,
+    advertise: str = "",
+) -> subprocess.Popen[bytes]:
+    """A node daemon in its own process (``prefix``: e.g. ``ip netns exec NS``); waits until it registered."""
+    log = open(running.root / f"{node_id}.log", "wb")  # noqa: SIM115 - the process owns it
+    command = [
+        *prefix, sys.executable, "-m", "octopipe.execute", "--log-format", "json", "node",
+        "--coordinator", coordinator or running.coordinator.address, "--certs", str(running.certs),
+        "--node-id", node_id, "--slots", str(slots), "--listen", listen, "--work-dir", str(running.root / node_id),
+        "--no-pin", "--rank-timeout", "30", "--fence-after", "4",
+    ]  # fmt: skip
+    if advertise:
+        command += ["--advertise", advertise]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not any(n == node_id and alive for n, _, alive in running.coordinator.nodes()):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"node {node_id} did not register: {(running.root / f'{node_id}.log').read_text()}")
+        time.sleep(0.1)
+    return process
+
+
+def rank_pids(running: Cluster, node_id: str) -> list[int]:
+    return [int(p.read_text()) for p in (running.root / node_id).glob("*/rank*.pid")]
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"

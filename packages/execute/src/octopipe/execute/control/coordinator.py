@@ -83,6 +83,9 @@ class _RunEntry:
     placement: dict[str, list[int]] = field(default_factory=dict)
     metrics: list[node_pb2.StepMetrics] = field(default_factory=list)
     restored_at: float | None = None
+    #: the placement when the run failed, and when: a node lost soon after is named as the cause
+    failed_nodes: dict[str, list[int]] = field(default_factory=dict)
+    failed_at: float = 0.0
 
 
 class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -154,6 +157,12 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 entry.run.error = error
             self._save(entry)
         self._log.info("run_state", run=entry.run.run_id, state=state_name(state), error=error or None)
+
+    def nodes(self) -> list[tuple[str, str, bool]]:
+        """(node id, address, alive) of every registered node, in registration order."""
+        with self._lock:
+            ordered = sorted(self._nodes.values(), key=lambda n: n.registered_at)
+            return [(n.node_id, n.address, n.alive) for n in ordered]
 
     # -- node RPCs --------------------------------------------------------------------------------
     def RegisterNode(
@@ -232,13 +241,17 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 if node.alive and silent > self.config.heartbeat_timeout_s:
                     node.alive = False
                     self._log.warning("node_lost", node=node.node_id, silent_s=round(silent, 2))
+                    cause = (
+                        f"node {node.node_id} ({node.address}) missed heartbeats for {silent:.1f} s "
+                        f"(timeout {self.config.heartbeat_timeout_s} s): it died or was cut off"
+                    )
                     for entry in self._runs.values():
                         if node.node_id in entry.placement and entry.run.state not in TERMINAL_STATES:
-                            self._fail(
-                                entry,
-                                f"node {node.node_id} ({node.address}) missed heartbeats for {silent:.1f} s "
-                                f"(timeout {self.config.heartbeat_timeout_s} s): it died or was cut off",
-                            )
+                            self._fail(entry, cause)
+                        elif node.node_id in entry.failed_nodes and now - entry.failed_at < 2 * silent + 5:
+                            # the run already failed through a rank that lost its peer: name the root cause
+                            self._set_state(entry, entry.run.state, f"{cause}; first report: {entry.run.error}")
+                            entry.failed_nodes = {}
 
     def _check_restored(self) -> None:
         now = time.monotonic()
@@ -254,6 +267,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
             return
         if entry.run.checkpoint_dir:
             entry.run.last_checkpoint_step = latest_checkpoint(entry.run.checkpoint_dir)
+        entry.failed_nodes, entry.failed_at = dict(entry.placement), time.monotonic()
         self._set_state(entry, node_pb2.RUN_STATE_FAILED, error)
         targets = [self._nodes[n].address for n in entry.placement if n in self._nodes and self._nodes[n].alive]
         self._release(entry)

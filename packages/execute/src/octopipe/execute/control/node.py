@@ -314,6 +314,7 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
             checkpoint_dir=request.checkpoint_dir,
             checkpoint_every=request.checkpoint_every,
             resume=request.resume,
+            die_with_parent=True,
         )
         run.events = self._context.Queue()
         for rank in assignment.ranks:

@@ -9,8 +9,11 @@ every other rank watches while it waits, so all ranks stop together.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -66,6 +69,8 @@ class WorkerConfig:
     checkpoint_every: int = 0
     #: load ``checkpoint_dir/step-<start_step>`` before the first step
     resume: bool = False
+    #: Linux: the kernel kills this rank when the process that started it dies (a node daemon's ranks)
+    die_with_parent: bool = False
 
 
 class _Recorder:
@@ -87,6 +92,17 @@ def _split_batch(tokens: torch.Tensor, targets: torch.Tensor, m: int) -> list[tu
     return list(zip(tokens.chunk(m), targets.chunk(m), strict=True))
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG); elsewhere a no-op."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() == 1:  # the parent died before the call
+        raise SystemExit(1)
+
+
 def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
     """Entry point of a rank process (spawned by the launcher, a node daemon or torchrun).
 
@@ -96,6 +112,9 @@ def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
     """
     rank = config.rank
     out = Path(config.result_dir)
+    (out / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
+    if config.die_with_parent:
+        _die_with_parent()
     if config.pin_cores and hasattr(os, "sched_setaffinity"):
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[rank % len(cores)]})

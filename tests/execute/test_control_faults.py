@@ -1,0 +1,73 @@
+"""Faults: a node daemon killed mid-run is detected within the bound, every rank is gone, the run is failed
+with the cause, and ``resume`` finishes it with final weights bitwise equal to an uninterrupted run."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from octopipe.execute.runtime.checkpoint import read_checkpoint
+from octopipe.node.v1 import node_pb2
+from octopipe.tune import one_f_one_b
+from tests.execute.control_cluster import alive, cluster, llama_plan, node_process, rank_pids
+
+pytestmark = pytest.mark.slow
+
+STEPS, EVERY = 6, 2
+
+
+def wait_for_step(client, run_id: str, step: int, timeout_s: float = 120) -> None:  # type: ignore[no-untyped-def]
+    for run in client.watch(run_id, timeout_s=timeout_s):
+        assert run.state not in (node_pb2.RUN_STATE_FAILED, node_pb2.RUN_STATE_CANCELLED), run.error
+        if run.completed_steps >= step:
+            return
+
+
+def assert_same_weights(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert sorted(expected) == sorted(actual)
+    for key in expected:
+        assert torch.equal(expected[key], actual[key]), key
+
+
+def test_a_killed_daemon_fails_the_run_and_resume_finishes_it_bitwise(tmp_path: Path) -> None:
+    plan = llama_plan(2, 4)
+    with cluster(tmp_path, nodes=0) as running, running.client() as client:
+        first = node_process(running, "node0")
+        second = node_process(running, "node1")
+        try:
+            # the uninterrupted run
+            clean = client.submit(plan, steps=STEPS, checkpoint_every=EVERY, run_id="clean")
+            assert client.wait(clean, timeout_s=180).state == node_pb2.RUN_STATE_DONE
+            # the same run, node1 killed after the first checkpoint
+            run_id = client.submit(plan, steps=STEPS, checkpoint_every=EVERY, run_id="killed")
+            wait_for_step(client, run_id, EVERY + 1)
+            pids = rank_pids(running, "node0") + rank_pids(running, "node1")
+            killed_at = time.monotonic()
+            second.kill()
+            run = client.wait(run_id, timeout_s=60)
+            detected = time.monotonic() - killed_at
+            assert run.state == node_pb2.RUN_STATE_FAILED
+            assert "node node1" in run.error and "missed heartbeats" in run.error, run.error
+            timeout = running.coordinator.config.heartbeat_timeout_s
+            assert detected < timeout + 2.0, detected
+            bound = timeout + 2.0 + 3.0 + 2.0  # detection + stop grace + slack
+            while any(alive(pid) for pid in pids) and time.monotonic() - killed_at < bound:
+                time.sleep(0.1)
+            assert not [pid for pid in pids if alive(pid)], "ranks left running after the stop"
+            assert run.last_checkpoint_step >= EVERY
+            # resume on the surviving node alone, with the plan re-made for one rank
+            one_rank = llama_plan(1, 4, schedule=one_f_one_b)
+            resumed = client.resume(run_id, one_rank)
+            assert resumed.resumes == 1 and resumed.state == node_pb2.RUN_STATE_QUEUED
+            run = client.wait(run_id, timeout_s=180)
+            assert run.state == node_pb2.RUN_STATE_DONE, run.error
+            assert run.completed_steps == STEPS and list(run.rank_nodes) == ["node0"]
+        finally:
+            for process in (first, second):
+                process.kill()
+                process.wait(timeout=10)
+        root = running.coordinator.config.state_dir / "checkpoints"
+        assert_same_weights(read_checkpoint(root / "clean", STEPS), read_checkpoint(root / "killed", STEPS))
