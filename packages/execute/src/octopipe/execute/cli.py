@@ -15,7 +15,7 @@ from typing import NoReturn
 
 import structlog
 
-from octopipe.execute import demo, profile_cmd, run_cmd, tune_cmd
+from octopipe.execute import control_cmd, demo, profile_cmd, run_cmd, tune_cmd
 from octopipe.execute.logconfig import configure_logging
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate.ir import (
@@ -82,11 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile_cmd.add_parser(sub)
     run_cmd.add_parser(sub)
     tune_cmd.add_parser(sub)
+    control_cmd.add_parser(sub)
 
-    run_demo = sub.add_parser("demo", help="the embedded default job (what exists of it so far)")
-    run_demo.add_argument("--out", type=Path, default=Path("out/demo"), help="where to write the plan files")
-    run_demo.add_argument("--ranks", type=int, default=2)
-    run_demo.add_argument("--microbatches", type=int, default=4)
+    demo.add_parser(sub)
     return parser
 
 
@@ -141,7 +139,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "tune":
             return tune_cmd.run(args)
         if args.command == "demo":
-            return demo.run(out=args.out, ranks=args.ranks, microbatches=args.microbatches)
+            return demo.run(args)
+        handler = getattr(args, "handler", None)
+        if handler is not None:
+            return int(handler(args))
         parser.print_help()
         return EXIT_USAGE
     except (UsageError, PlanError, ValueError) as exc:

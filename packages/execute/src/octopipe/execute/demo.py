@@ -1,59 +1,336 @@
-"""The embedded default job.
+"""The embedded default job: what ``./scripts/run.sh`` runs.
 
-Today it exercises what exists: it generates a 1F1B plan for a small example
-partition, checks it, round-trips it through every plan format (binary proto,
-JSON, text, torch CSV), writes the files and prints the plan. Later issues grow
-this into the full capture -> profile -> tune -> simulate -> execute run.
+A heterogeneous zoo model (Nemotron-H-like by default) is profiled on this
+machine (every layer's F, B and W graphs, and the gloo link between two local
+ranks), tuned (partition x placement x schedule under 1F1B's memory peak),
+checked by the static verifier, simulated, and run for a few steps on local
+CPU ranks together with 1F1B on equal layer counts, alternating, in the same
+launch. It prints the plan, predicted vs measured step time and memory and the
+measured speed-up over 1F1B, and writes the plan (proto, text, torch CSV), the
+profile, a Perfetto trace with the simulated and measured timelines side by
+side, a PNG of the simulated timeline and a JSON summary.
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from octopipe.simulate.ir import format_grid, load_plan, plan_to_torch_csv, rank_actions, save_plan
-from octopipe.tune import equal_partition, one_f_one_b
+from octopipe.execute import pipeline
+from octopipe.execute.jsonout import dumps, estimate_json, print_json
+from octopipe.execute.linkprobe import measure_link
+from octopipe.execute.runtime import (
+    RunResult,
+    local_cost_model,
+    run_local_many,
+    workload_reference,
+    write_side_by_side_trace,
+)
+from octopipe.plan.v1 import plan_pb2
+from octopipe.profile.v1 import profile_pb2
+from octopipe.simulate import plot_timeline, verify_plan
+from octopipe.simulate.ir import format_grid, plan_to_text, plan_to_torch_csv, save_plan
+from octopipe.tune import TuneConfig
 
-__all__ = ["run"]
+__all__ = ["DemoConfig", "add_parser", "run", "run_demo"]
 
-_LAYERS = ["embed", *[f"layers.{i}" for i in range(8)], "head"]
+#: model sizes: the zoo's unit-test sizes, a little larger, and shared/benchmarks.md's standard ones
+SIZES: dict[str, dict[str, object]] = {
+    "tiny": {"tiny": True, "sequence": 16},
+    "small": {"tiny": True, "hidden": 64, "sequence": 32},
+    "standard": {},
+}
 
 
-def run(*, out: Path, ranks: int, microbatches: int) -> int:
-    log = structlog.get_logger("octopipe.demo")
-    console = Console()
-    plan = one_f_one_b(ranks, microbatches, layer_names=equal_partition(_LAYERS, ranks))
-    plan.model.name = "llama-8"
-    plan.model.source = "octopipe.examples:llama"
-    out.mkdir(parents=True, exist_ok=True)
-    files = {fmt: out / f"plan{suffix}" for fmt, suffix in (("binary", ".binpb"), ("json", ".json"), ("text", ".txt"))}
-    for fmt, path in files.items():
-        save_plan(plan, path)
-        if load_plan(path) != plan:
-            raise AssertionError(f"{fmt} round trip changed the plan")  # internal invariant
-    csv_path = out / "plan.csv"
-    csv_path.write_text(plan_to_torch_csv(plan))
-    log.info("demo_plan_written", out=str(out), ranks=ranks, microbatches=microbatches)
+@dataclass(kw_only=True, frozen=True)
+class DemoConfig:
+    """What the demo runs: a zoo workload at a size, on ``ranks`` local ranks."""
 
-    table = Table(
-        title=f"plan {plan.name}: {len(plan.stages)} stages on {len(plan.ranks)} ranks, {plan.num_microbatches} micro-batches"
+    workload: str = "nemotronh-16"
+    size: str = "tiny"
+    ranks: int = 2
+    microbatches: int = 8
+    steps: int = 3
+    rounds: int = 2
+    tune_budget_s: float = 10.0
+    profile_repeats: int = 3
+    timeout_s: float = 300.0
+    pin_cores: bool = True
+    out: Path = Path("out/demo")
+
+    def __post_init__(self) -> None:
+        if self.size not in SIZES:
+            raise ValueError(f"--size {self.size!r}: choose one of {', '.join(SIZES)}")
+        if self.ranks < 2 or self.microbatches < self.ranks:
+            raise ValueError(f"use --ranks >= 2 and --microbatches >= --ranks (got {self.ranks}, {self.microbatches})")
+        if self.steps < 2 or self.rounds < 1:
+            raise ValueError(
+                f"use --steps >= 2 (the first is warm-up) and --rounds >= 1 (got {self.steps}, {self.rounds})"
+            )
+
+    def reference(self) -> plan_pb2.ModelReference:
+        return workload_reference(self.workload, **SIZES[self.size])
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "demo", help="the embedded default job: profile, tune, verify, simulate and run a heterogeneous model"
     )
-    table.add_column("stage")
-    table.add_column("rank")
-    table.add_column("layers")
-    table.add_column("actions on its rank")
-    programs = rank_actions(plan)
+    parser.add_argument("--workload", default="nemotronh-16", help="jamba-8, nemotronh-16, llama-8 or moe-ep-4")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model sizes (default tiny: seconds)")
+    parser.add_argument("--ranks", type=int, default=2, help="local CPU ranks (default 2)")
+    parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default 8)")
+    parser.add_argument("--steps", type=int, default=3, help="steps per plan and round; the first is warm-up")
+    parser.add_argument("--rounds", type=int, default=2, help="times the tuned plan and 1F1B alternate (default 2)")
+    parser.add_argument("--tune-budget", type=float, default=10.0, help="seconds the tuner may search (default 10)")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin each rank to its own core")
+    parser.add_argument("--out", type=Path, default=Path("out/demo"), help="where to write plans, trace, PNG")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON (no tables, no progress)")
+    parser.add_argument("--verbose", action="store_true", help="also show the log events")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = DemoConfig(
+        workload=args.workload,
+        size=args.size,
+        ranks=args.ranks,
+        microbatches=args.microbatches,
+        steps=args.steps,
+        rounds=args.rounds,
+        tune_budget_s=args.tune_budget,
+        pin_cores=not args.no_pin,
+        out=args.out,
+    )
+    if not args.verbose:
+        logging.getLogger().setLevel(logging.WARNING)  # the progress bars say what happens
+    summary = run_demo(config, console=None if args.json else Console())
+    if args.json:
+        print_json(summary)
+    return 0
+
+
+def _run_plans(plans: Sequence[plan_pb2.Plan], steps: int, *, timeout_s: float, pin_cores: bool) -> list[RunResult]:
+    """Run every plan for ``steps`` steps on local CPU ranks, one after the other; one result per plan.
+
+    The one place the demo starts ranks (today: one launch of ``run_local_many``).
+    """
+    return run_local_many(list(plans), steps=steps, timeout_s=timeout_s, pin_cores=pin_cores)
+
+
+@contextmanager
+def _progress(console: Console | None) -> Iterator[Progress | None]:
+    if console is None:
+        yield None
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True)) as progress:
+        yield progress
+
+
+class _Step:
+    """One line of the progress display (nothing when there is no display)."""
+
+    def __init__(self, progress: Progress | None, description: str, total: float | None = None) -> None:
+        self.progress = progress
+        self.task = progress.add_task(description, total=total) if progress is not None else None
+
+    def update(self, description: str) -> None:
+        if self.progress is not None and self.task is not None:
+            self.progress.update(self.task, description=description)
+
+    def done(self, description: str) -> None:
+        if self.progress is not None and self.task is not None:
+            self.progress.update(self.task, description=description, total=1, completed=1)
+
+
+def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str, Any]:
+    """The whole job; prints tables on ``console`` (None: silent) and returns the JSON summary."""
+    log = structlog.get_logger("octopipe.demo")
+    reference = config.reference()
+    out = config.out
+    out.mkdir(parents=True, exist_ok=True)
+    if console is not None:
+        console.print(
+            f"[bold]octopipe demo[/bold]: {config.workload} ({config.size} sizes) on {config.ranks} local CPU ranks, "
+            f"{config.microbatches} micro-batches per step"
+        )
+    with _progress(console) as progress:
+        step = _Step(progress, "measure the gloo link between two local ranks")
+        link, _ = measure_link(repeats=5)
+        step.done(f"link: {link.latency_us:.0f} us + {link.bandwidth_bytes_per_second / 1e9:.2f} GB/s")
+
+        names = pipeline.layer_names(reference)
+        step = _Step(progress, f"profile F, B, W of {len(names)} layers (one thread)")
+        profile = pipeline.profile_reference(
+            reference,
+            num_microbatches=config.microbatches,
+            num_ranks=config.ranks,
+            link=link,
+            repeats=config.profile_repeats,
+        )
+        step.done(f"profiled {len(profile.layers)} layers")
+
+        step = _Step(progress, "tune partition x placement x schedule")
+
+        def tuning(message: str, evaluations: int, best_us: float) -> None:
+            step.update(f"tune: {evaluations} simulations, best step {best_us / 1e3:.1f} ms ({message})")
+
+        tune_config = TuneConfig(
+            num_ranks=config.ranks, num_microbatches=config.microbatches, time_budget_s=config.tune_budget_s
+        )
+        tuned = pipeline.tune_reference(profile, tune_config, progress=tuning)
+        step.done(f"tuned: {tuned.description} ({tuned.evaluations} simulations, {tuned.seconds:.1f} s)")
+
+        baseline = pipeline.baseline_plan(
+            reference, num_ranks=config.ranks, num_microbatches=config.microbatches, names=names
+        )
+        for plan in (tuned.plan, baseline):
+            verify_plan(plan, local_cost_model(plan, profile))
+
+        rounds = f"{config.rounds} round{'s' if config.rounds > 1 else ''}"
+        step = _Step(progress, f"run tuned and 1F1B alternately: {rounds} x {config.steps} steps each")
+        results = _run_plans(
+            [tuned.plan, baseline] * config.rounds,
+            config.steps,
+            timeout_s=config.timeout_s,
+            pin_cores=config.pin_cores,
+        )
+        step.done(f"ran {len(results)} launches of {config.steps} steps")
+
+    tuned_cmp = pipeline.compare(tuned.plan, profile, results[0::2])
+    base_cmp = pipeline.compare(baseline, profile, results[1::2])
+    measured_speedup = pipeline.speedup(base_cmp.measured_step_us, tuned_cmp.measured_step_us)
+    predicted_speedup = pipeline.speedup(base_cmp.predicted_step_us, tuned_cmp.predicted_step_us)
+
+    files = _write_files(out, tuned.plan, baseline, profile, tuned_cmp, base_cmp, results)
+    summary: dict[str, Any] = {
+        "workload": config.workload,
+        "size": config.size,
+        "ranks": config.ranks,
+        "microbatches": config.microbatches,
+        "tuned": tuned.description,
+        "stages": [{"stage": s.stage_index, "rank": s.rank, "layers": list(s.layer_names)} for s in tuned.plan.stages],
+        "link": {"latency_us": link.latency_us, "bandwidth_bytes_per_second": link.bandwidth_bytes_per_second},
+        "predicted": {"tuned": estimate_json(tuned.estimate), "baseline_1f1b_equal": estimate_json(tuned.baseline)},
+        "comparison": {"tuned": tuned_cmp.as_json(), "baseline_1f1b_equal": base_cmp.as_json()},
+        "speedup_over_1f1b_equal": {"measured": measured_speedup, "predicted": predicted_speedup},
+        "losses_equal": all(r.losses == results[0].losses for r in results),
+        "files": {k: str(v) for k, v in files.items()},
+    }
+    (out / "summary.json").write_text(dumps(summary))
+    log.info("demo_finished", speedup=round(measured_speedup, 3), out=str(out))
+    if console is not None:
+        _print_report(console, tuned.plan, profile, tuned.description, tuned_cmp, base_cmp, summary, files)
+    return summary
+
+
+def _write_files(
+    out: Path,
+    plan: plan_pb2.Plan,
+    baseline: plan_pb2.Plan,
+    profile: profile_pb2.Profile,
+    tuned_cmp: pipeline.Comparison,
+    base_cmp: pipeline.Comparison,
+    results: Sequence[RunResult],
+) -> dict[str, Path]:
+    from octopipe.execute.profile_cmd import save_profile  # noqa: PLC0415
+
+    files = {
+        "plan": out / "plan.binpb",
+        "plan_text": out / "plan.txt",
+        "plan_csv": out / "plan.csv",
+        "baseline_text": out / "baseline-1f1b.txt",
+        "profile": out / "profile.binpb",
+        "trace": out / "trace.json",
+        "baseline_trace": out / "trace-1f1b.json",
+        "png": out / "timeline.png",
+        "summary": out / "summary.json",
+    }
+    save_plan(plan, files["plan"])
+    files["plan_text"].write_text(plan_to_text(plan))
+    files["plan_csv"].write_text(plan_to_torch_csv(plan))
+    files["baseline_text"].write_text(plan_to_text(baseline))
+    save_profile(profile, files["profile"])
+    last_tuned, last_base = results[-2], results[-1]
+    write_side_by_side_trace(files["trace"], tuned_cmp.simulation, last_tuned, step=len(last_tuned.losses) - 1)
+    write_side_by_side_trace(files["baseline_trace"], base_cmp.simulation, last_base, step=len(last_base.losses) - 1)
+    try:
+        plot_timeline(tuned_cmp.simulation, files["png"], title=f"simulated: {plan.name}")
+    except ImportError as exc:  # matplotlib is optional (octopipe-simulate[png])
+        structlog.get_logger("octopipe.demo").warning("png_skipped", reason=str(exc))
+        del files["png"]
+    return files
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
+
+
+def _print_report(
+    console: Console,
+    plan: plan_pb2.Plan,
+    profile: profile_pb2.Profile,
+    description: str,
+    tuned: pipeline.Comparison,
+    base: pipeline.Comparison,
+    summary: dict[str, Any],
+    files: dict[str, Path],
+) -> None:
+    stages = Table(title=f"plan: {description}")
+    for column in ("stage", "rank", "layers", "predicted F+B+W per micro-batch ms"):
+        stages.add_column(column)
+    layer_us = {c.layer_name: c for c in profile.layers}
     for stage in plan.stages:
+        names = list(stage.layer_names)
+        busy = sum(
+            layer_us[n].forward_duration_us + layer_us[n].backward_input_duration_us
+            + layer_us[n].backward_weight_duration_us
+            for n in names if n in layer_us
+        )  # fmt: skip
+        shown = f"{names[0]} .. {names[-1]} ({len(names)})" if len(names) > 2 else " ".join(names)
+        stages.add_row(str(stage.stage_index), str(stage.rank), shown, f"{busy / 1e3:.2f}")
+    console.print(stages)
+    console.print("schedule: compute actions per rank (torch.distributed.pipelining text)", highlight=False)
+    console.print(format_grid(plan, compute_only=True), highlight=False, markup=False, soft_wrap=True)
+
+    table = Table(title="predicted (simulator, from the profile) vs measured (median step after warm-up)")
+    for column in ("plan", "step ms predicted", "step ms measured", "replayed", "activations predicted", "measured"):
+        table.add_column(column, justify="left" if column == "plan" else "right")
+    for name, cmp in (("tuned", tuned), ("1F1B, equal layer counts", base)):
         table.add_row(
-            str(stage.stage_index), str(stage.rank), " ".join(stage.layer_names), str(len(programs[stage.rank]))
+            name,
+            f"{cmp.predicted_step_us / 1e3:.1f}",
+            f"{cmp.measured_step_us / 1e3:.1f}",
+            f"{cmp.replay_step_us / 1e3:.1f}",
+            _size(max(cmp.predicted_activation_bytes)),
+            _size(max(cmp.measured_activation_bytes)),
         )
     console.print(table)
-    console.print("compute order per rank (torch.distributed.pipelining action text):")
-    console.print(format_grid(plan, compute_only=True), highlight=False, markup=False)
-    console.print("written (all round-trip to the same Plan):")
-    for path in [*files.values(), csv_path]:
-        console.print(f"  {path}  ({path.stat().st_size} bytes)", highlight=False)
-    return 0
+    static = max(r.static_memory_bytes for r in tuned.simulation.estimate.ranks)
+    console.print(
+        f"peak memory per rank (max over ranks), parameters + gradients + optimizer state ({_size(static)}) plus "
+        f"activations: predicted {_size(max(tuned.predicted_memory_bytes))}, "
+        f"measured {_size(max(tuned.measured_memory_bytes))}\n"
+        "replayed: the simulator fed the measured per-action durations (the rest is runtime overhead)",
+        highlight=False,
+    )
+    speed = summary["speedup_over_1f1b_equal"]
+    console.print(
+        f"[bold]speed-up over 1F1B with equal layer counts: {speed['measured']:.2f}x measured[/bold] "
+        f"(predicted {speed['predicted']:.2f}x; same model, same launch, alternating; "
+        f"losses {'identical' if summary['losses_equal'] else 'DIFFERENT'} across plans)"
+    )
+    console.print("written:", highlight=False)
+    for key, path in files.items():
+        note = {"trace": "  (open in https://ui.perfetto.dev: simulated and measured ranks)"}.get(key, "")
+        console.print(f"  {path}{note}", highlight=False)

@@ -1,0 +1,232 @@
+"""The profile -> tune -> simulate -> run chain, in one place for the demo, the benches and users.
+
+Each function is one step and takes and returns protos or plain data, so a
+caller can stop after any of them, write the result, and go on later (that is
+what the ``octopipe profile``, ``tune``, ``simulate`` and ``run`` commands do):
+
+- :func:`profile_reference`: build the model a ``ModelReference`` names and time
+  and size each layer's F, B and W graphs on this machine (optionally with the
+  local gloo link measured too);
+- :func:`baseline_plan`: 1F1B with equal layer counts per stage, the plan the
+  tuner is compared against;
+- :func:`tune_reference`: the tuner, with the plan pointed at the profile's model;
+- :func:`compare`: predicted (simulator, from the profile) vs measured (one or
+  more ``RunResult`` of the plan): step time, activation memory, and a replay of
+  the simulator with the measured per-action durations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from octopipe.capture import pipeline_spec
+from octopipe.execute.linkprobe import local_links
+from octopipe.execute.runtime import (
+    RunResult,
+    build_model,
+    local_cost_model,
+    measured_step_times_us,
+    timelines_to_proto,
+)
+from octopipe.plan.v1 import plan_pb2
+from octopipe.profile.v1 import profile_pb2
+from octopipe.simulate import Simulation, durations_from_timelines, simulate
+from octopipe.transform import ProfilerConfig, profile_layers
+from octopipe.tune import TuneConfig, TuneResult, equal_partition, one_f_one_b, tune
+
+__all__ = [
+    "Comparison",
+    "baseline_plan",
+    "compare",
+    "layer_names",
+    "profile_reference",
+    "speedup",
+    "tune_reference",
+]
+
+
+def layer_names(reference: plan_pb2.ModelReference) -> list[str]:
+    """The pipeline layers of the model ``reference`` names, in execution order."""
+    return list(pipeline_spec(build_model(reference).model).names)
+
+
+def profile_reference(
+    reference: plan_pb2.ModelReference,
+    *,
+    num_microbatches: int,
+    num_ranks: int = 2,
+    link: profile_pb2.LinkCost | None = None,
+    repeats: int = 5,
+    seed: int = 0,
+) -> profile_pb2.Profile:
+    """Profile the layers of the model ``reference`` names on one micro-batch of its step-0 batch.
+
+    The micro-batch is the global batch split in ``num_microbatches`` (as the
+    runtime splits it). ``link``: a measured link (``linkprobe.measure_link``),
+    written for every pair of ``num_ranks`` local ranks; without one the
+    simulator assumes ``runtime.LOCAL_GLOO_LINK``. Runs on one thread, as each
+    local rank does.
+    """
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    built = build_model(reference, seed=seed)
+    inputs, targets = built.batch(0)
+    size = inputs.shape[0] // num_microbatches
+    if size < 1 or inputs.shape[0] % num_microbatches:
+        raise ValueError(
+            f"a global batch of {inputs.shape[0]} does not split into {num_microbatches} micro-batches: "
+            "choose a micro-batch count that divides it"
+        )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return profile_layers(
+            built.model,
+            inputs[:size],
+            targets[:size],
+            config=ProfilerConfig(repeats=repeats),
+            links=local_links(link, num_ranks) if link is not None else (),
+            model_reference=reference,
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def baseline_plan(
+    reference: plan_pb2.ModelReference, *, num_ranks: int, num_microbatches: int, names: Sequence[str] | None = None
+) -> plan_pb2.Plan:
+    """1F1B on equal layer counts per stage (one stage per rank) for the model ``reference`` names."""
+    chosen = list(names) if names is not None else layer_names(reference)
+    plan = one_f_one_b(num_ranks, num_microbatches, layer_names=equal_partition(chosen, num_ranks))
+    plan.model.CopyFrom(reference)
+    return plan
+
+
+def tune_reference(
+    profile: profile_pb2.Profile,
+    config: TuneConfig,
+    *,
+    progress: Callable[[str, int, float], None] | None = None,
+) -> TuneResult:
+    """``octopipe.tune.tune``, with the tuned plan naming the profile's model (so it can run as is).
+
+    ``progress(message, simulations, best_step_us)`` is called as the search goes.
+    """
+    result = tune(profile, config, progress=progress)
+    result.plan.model.CopyFrom(profile.model)
+    return result
+
+
+def speedup(baseline_us: float, tuned_us: float) -> float:
+    """How many times faster the tuned step is than the baseline's."""
+    return baseline_us / tuned_us if tuned_us > 0 else float("nan")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Comparison:
+    """Predicted vs measured for one plan. Times in microseconds, memory in bytes, per rank where a tuple."""
+
+    plan_name: str
+    simulation: Simulation
+    #: every measured step of every run, in order (the first of each run is warm-up)
+    measured_steps_us: tuple[float, ...]
+    #: the median step, warm-up steps left out
+    measured_step_us: float
+    #: the simulator with the measured per-action durations (what is left is runtime overhead)
+    replay_step_us: float
+    #: the most bytes the runtime held per rank (activations, gradients in flight, messages)
+    measured_activation_bytes: tuple[int, ...]
+    #: steps per run, in order (``measured_steps_us`` is their concatenation)
+    run_lengths: tuple[int, ...] = ()
+
+    @property
+    def predicted_step_us(self) -> float:
+        return self.simulation.estimate.step_time_us
+
+    @property
+    def predicted_activation_bytes(self) -> tuple[int, ...]:
+        return tuple(r.peak_activation_bytes for r in self.simulation.estimate.ranks)
+
+    @property
+    def predicted_memory_bytes(self) -> tuple[int, ...]:
+        """Peak per rank: parameters, gradients and optimizer state plus activations."""
+        return tuple(r.peak_memory_bytes for r in self.simulation.estimate.ranks)
+
+    @property
+    def measured_memory_bytes(self) -> tuple[int, ...]:
+        """The static bytes (exact on both sides) plus the measured activation peak."""
+        return tuple(
+            r.static_memory_bytes + held
+            for r, held in zip(self.simulation.estimate.ranks, self.measured_activation_bytes, strict=True)
+        )
+
+    @property
+    def step_time_error(self) -> float:
+        """|predicted - measured| / measured."""
+        return abs(self.predicted_step_us - self.measured_step_us) / self.measured_step_us
+
+    @property
+    def spread(self) -> float:
+        """(p90 - p10) / median of the timed (not warm-up) steps: the measurement's own noise."""
+        ordered = sorted(self.timed_steps_us)
+        low, high = ordered[round(0.1 * (len(ordered) - 1))], ordered[round(0.9 * (len(ordered) - 1))]
+        return (high - low) / statistics.median(ordered)
+
+    @property
+    def timed_steps_us(self) -> tuple[float, ...]:
+        """The measured steps without each run's warm-up step."""
+        return tuple(_timed(self.measured_steps_us, self.run_lengths))
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "plan": self.plan_name,
+            "predicted_step_ms": self.predicted_step_us / 1e3,
+            "measured_step_ms": self.measured_step_us / 1e3,
+            "measured_steps_ms": [t / 1e3 for t in self.measured_steps_us],
+            "replay_step_ms": self.replay_step_us / 1e3,
+            "step_time_error": self.step_time_error,
+            "predicted_peak_activation_bytes": list(self.predicted_activation_bytes),
+            "measured_peak_activation_bytes": list(self.measured_activation_bytes),
+            "predicted_peak_memory_bytes": list(self.predicted_memory_bytes),
+            "measured_peak_memory_bytes": list(self.measured_memory_bytes),
+        }
+
+
+def _timed(steps: Sequence[float], run_lengths: Sequence[int]) -> list[float]:
+    """Leave out the first step of each run (warm-up) where the run has more than one."""
+    timed, start = [], 0
+    for length in run_lengths or (len(steps),):
+        chunk = list(steps[start : start + length])
+        timed += chunk[1:] if len(chunk) > 1 else chunk
+        start += length
+    return timed
+
+
+def compare(plan: plan_pb2.Plan, profile: profile_pb2.Profile, runs: Sequence[RunResult]) -> Comparison:
+    """Predicted (the simulator with ``profile``'s costs) vs measured (``runs`` of ``plan``)."""
+    if not runs:
+        raise ValueError("give at least one run of the plan to compare with")
+    costs = local_cost_model(plan, profile)
+    simulation = simulate(plan, costs)
+    per_run = [measured_step_times_us(run) for run in runs]
+    steps = [t for times in per_run for t in times]
+    lengths = tuple(len(times) for times in per_run)
+    timelines = [t for run in runs for t in timelines_to_proto(run) if t.step > 0 or len(run.losses) == 1]
+    replay = simulate(plan, dataclasses.replace(costs, durations_us=durations_from_timelines(timelines)))
+    held: dict[int, int] = {}
+    for timeline in timelines:
+        held[timeline.rank] = max(held.get(timeline.rank, 0), int(timeline.peak_memory_bytes))
+    return Comparison(
+        plan_name=plan.name,
+        simulation=simulation,
+        measured_steps_us=tuple(steps),
+        measured_step_us=statistics.median(_timed(steps, lengths)),
+        replay_step_us=replay.estimate.step_time_us,
+        measured_activation_bytes=tuple(held.get(r, 0) for r in range(len(plan.ranks))),
+        run_lengths=lengths,
+    )

@@ -1,0 +1,79 @@
+"""The README's run command, end to end: profile, tune, verify, simulate, run, and what it prints and writes.
+
+It runs ``./scripts/run.sh`` itself where the checkout has been set up (``.venv``
+made by ``scripts/setup.sh``, as in CI), else ``python -m octopipe.execute demo``
+(Pants' sandbox), with ``--out`` in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from octopipe.simulate.ir import load_plan, validate_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_SH = ROOT / "scripts" / "run.sh"
+IN_VENV = Path(sys.prefix).resolve() == (ROOT / ".venv").resolve()
+SPEEDUP = re.compile(r"speed-up over 1F1B with equal layer counts: (\d+\.\d+)x measured \(predicted (\d+\.\d+)x")
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Processes whose environment holds ``marker`` (the demo's children inherit it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_readme_run_command(tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "./scripts/run.sh" in readme
+    out = tmp_path / "demo"
+    command = [str(RUN_SH)] if RUN_SH.exists() and IN_VENV else [sys.executable, "-m", "octopipe.execute", "demo"]
+    marker = f"OCTOPIPE_DEMO_TEST={uuid.uuid4().hex}"
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1], "COLUMNS": "160"}
+    result = subprocess.run(
+        [*command, "--out", str(out)], capture_output=True, text=True, check=False, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert not _processes_with(marker), "the demo left processes behind"
+
+    # printed: the plan, predicted vs measured, the speed-up
+    stdout = result.stdout
+    assert "plan: " in stdout and "stage" in stdout and "rank" in stdout
+    assert "step ms predicted" in stdout and "step ms measured" in stdout and "1F1B, equal layer counts" in stdout
+    match = SPEEDUP.search(" ".join(stdout.split()))
+    assert match, stdout[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    speedup = summary["speedup_over_1f1b_equal"]
+    assert f"{speedup['measured']:.2f}" == match.group(1)
+    tuned, baseline = summary["comparison"]["tuned"], summary["comparison"]["baseline_1f1b_equal"]
+    assert speedup["measured"] == pytest.approx(baseline["measured_step_ms"] / tuned["measured_step_ms"])
+    assert summary["losses_equal"], "the tuned plan and 1F1B must give the same losses (same model, same data)"
+    assert all(m > 0 for m in tuned["measured_peak_activation_bytes"])
+
+    # the trace: valid JSON, simulated and measured ranks side by side, each with its actions
+    trace = json.loads((out / "trace.json").read_text())
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert {"simulated rank 0", "simulated rank 1", "measured rank 0", "measured rank 1"} <= set(names.values())
+    for prefix in ("simulated", "measured"):
+        spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and names[e["pid"]].startswith(prefix)]
+        assert {e["name"] for e in spans} >= {"0F0", "1F7"}, prefix
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plan = load_plan(out / "plan.binpb")
+    validate_plan(plan)
+    assert load_plan(out / "plan.txt") == plan
+    assert len(plan.ranks) == 2 and plan.model.name == "nemotronh-16"
