@@ -244,7 +244,7 @@ class MeshRank:
         Every replica of a pipeline rank must call it with the same names in the same order.
         """
         if not self.sharded:
-            return dict(named)
+            return {name: tensor.detach().clone() for name, tensor in named.items()}
         specs = {n: spec for stage in self.stages.values() for n, spec in stage.specs.items()}
         experts = {stage.graphs.param_names[i] for stage in self.stages.values() for i in stage.expert_indices}
         out: dict[str, torch.Tensor] = {}

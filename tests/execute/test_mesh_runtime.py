@@ -1,0 +1,263 @@
+"""pp x dp (x ep) meshes on real gloo processes: pp=2 x dp=2 on 4 CPU ranks equals the single-process reference.
+
+Every stage is FSDP-sharded over its dp group (UNSHARD / REDUCE_GRAD / RESHARD
+actions run the graphs split out of the captured stage); MoE experts are split
+over the ep group (all-to-all inside the graphs). The reference is one process
+running the same global batch as dp*m micro-batches (replica d's micro-batch j
+is the reference's micro-batch d*m + j), each loss scaled by 1/(dp*m).
+
+Not bitwise, so ``assert_close`` at fp32 tolerances: gradients are summed over
+micro-batches on each replica and then averaged over replicas by the
+reduce-scatter (the reference sums all dp*m micro-batches in one order), and an
+expert's batched matmul sees a different number of slots with expert
+parallelism. AdamW on a shard is AdamW on those elements of the full tensor, so
+weights after 3 steps compare the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from octopipe.capture import StageGraphs, split_model
+from octopipe.execute.runtime import (
+    P2P,
+    RankRuntime,
+    RunResult,
+    StepFailure,
+    build_model,
+    reference_run,
+    run_local_many,
+    workload_reference,
+)
+from octopipe.execute.runtime.fsdp_actions import add_fsdp_actions, check_sharded_programs
+from octopipe.execute.runtime.mesh import MeshRank, replica_batch
+from octopipe.plan.v1 import plan_pb2
+from octopipe.simulate.ir import PlanError, parse_action, rank_actions
+from octopipe.transform import StageExecutable, compile_stage
+from octopipe.tune import equal_partition, interleaved_1f1b, one_f_one_b, zb_h1
+
+DP = 2
+M = 4
+
+
+def mesh_plans(workload: str, *, ep: int) -> list[plan_pb2.Plan]:
+    """1F1B, ZB-H1 (I/W split) and interleaved 1F1B (two stages per rank) on pp=2 x dp=2, with FSDP actions."""
+    reference = workload_reference(workload, tiny=True, sequence=8, global_batch=DP * M)
+    names = build_model(reference).model.pipeline_layers()  # type: ignore[operator]
+    plans = [
+        one_f_one_b(2, M, layer_names=equal_partition(names, 2)),
+        zb_h1(2, M, layer_names=equal_partition(names, 2)),
+        interleaved_1f1b(2, 2, M, layer_names=equal_partition(names, 4)),
+    ]
+    out = []
+    for plan in plans:
+        plan.model.CopyFrom(reference)
+        plan.mesh.dp = DP
+        plan.mesh.ep = ep
+        out.append(add_fsdp_actions(plan))
+    return out
+
+
+def assert_matches_reference(plans: Sequence[plan_pb2.Plan], runs: Sequence[RunResult]) -> None:
+    ref = reference_run(plans[0].model, num_microbatches=M * DP, steps=3)
+    for plan, run in zip(plans, runs, strict=True):
+        assert run.losses == pytest.approx(ref.losses, rel=1e-6), plan.name
+        for what, expected, actual in (("grad", ref.grads, run.grads), ("param", ref.params, run.params)):
+            assert sorted(actual) == sorted(expected), plan.name
+            for name, value in expected.items():
+                assert actual[name].shape == value.shape, (plan.name, name)
+                torch.testing.assert_close(
+                    actual[name],
+                    value,
+                    msg=lambda m, n=name, w=what, p=plan.name: f"{p}: {w} {n}: {m}",  # type: ignore[misc]
+                )
+        assert sorted(run.timelines) == [0, 1, 2, 3]  # one process per (pipeline rank, replica)
+        for rank, steps in run.timelines.items():
+            pipeline_rank = rank // DP  # global rank p * dp + d (no rank map)
+            done = [r["action"] for r in steps[0]["records"]]
+            assert done == [str(a) for a in rank_actions(plan)[pipeline_rank]]
+            assert any("UNSHARD" in a for a in done) and any("REDUCE_GRAD" in a for a in done)
+
+
+@pytest.mark.slow
+def test_llama_pp2_dp2_equals_the_reference() -> None:
+    plans = mesh_plans("llama-8", ep=1)
+    runs = run_local_many(plans, steps=3, keep_grads=True, keep_params=True, timeout_s=180, pin_cores=False)
+    assert_matches_reference(plans, runs)
+
+
+@pytest.mark.slow
+def test_moe_pp2_dp2_ep2_equals_the_reference() -> None:
+    """Experts are split over the ep group (not FSDP-sharded); their gradients still equal the reference's."""
+    plans = mesh_plans("moe-ep-4", ep=2)[:2]  # 1F1B and ZB-H1
+    runs = run_local_many(plans, steps=3, keep_grads=True, keep_params=True, timeout_s=180, pin_cores=False)
+    assert_matches_reference(plans, runs)
+    assert any(".ffn.w1" in name for name in runs[0].grads)
+
+
+@pytest.mark.slow
+def test_a_rank_map_places_replicas_anywhere() -> None:
+    """mesh.global_ranks permutes processes: pipeline rank 0's replicas on processes 3 and 1, rank 1's on 0 and 2."""
+    plan = mesh_plans("llama-8", ep=1)[0]
+    plan.mesh.global_ranks[:] = [3, 1, 0, 2]
+    (run,) = run_local_many([plan], steps=1, keep_grads=True, timeout_s=180, pin_cores=False)
+    ref = reference_run(plan.model, num_microbatches=M * DP, steps=1)
+    assert run.losses == pytest.approx(ref.losses, rel=1e-6)
+    for name, value in ref.grads.items():
+        torch.testing.assert_close(run.grads[name], value)
+    first = {rank: steps[0]["records"][0]["action"] for rank, steps in run.timelines.items()}
+    assert first[3] == first[1] == str(rank_actions(plan)[0][0])
+
+
+# ---- refusals, before any process starts ----
+
+
+def test_plans_needing_different_world_sizes_are_refused() -> None:
+    sharded, plain = mesh_plans("llama-8", ep=1)[0], mesh_plans("llama-8", ep=1)[0]
+    plain.ClearField("mesh")
+    with pytest.raises(ValueError, match=r"same number of processes.*\[4, 2\]"):
+        run_local_many([sharded, plain])
+
+
+def test_bad_meshes_are_refused() -> None:
+    plan = mesh_plans("llama-8", ep=1)[0]
+    plan.mesh.ep = 3
+    with pytest.raises(PlanError, match="does not divide dp"):
+        run_local_many([plan])
+    plan.mesh.ep = 1
+    plan.mesh.global_ranks[:] = [0, 1, 2, 2]
+    with pytest.raises(PlanError, match="permutation"):
+        run_local_many([plan])
+    plan.mesh.global_ranks[:] = [0, 1, 2]
+    with pytest.raises(PlanError, match="needs 4"):
+        run_local_many([plan])
+    plan.mesh.global_ranks[:] = []
+    with pytest.raises(ValueError, match=r"needs 4 processes \(pp=2 x dp=2\), but the process group has 2"):
+        MeshRank.create(plan, 0, 2)  # a worker started with the wrong world size
+
+
+def _without(plan: plan_pb2.Plan, rank: int, text: str) -> plan_pb2.Plan:
+    out = plan_pb2.Plan()
+    out.CopyFrom(plan)
+    actions = out.ranks[rank].actions
+    index = next(i for i, a in enumerate(rank_actions(out)[rank]) if str(a) == text)
+    del actions[index]
+    return out
+
+
+def test_sharded_programs_without_unshard_or_reduce_grad_are_refused() -> None:
+    plan = mesh_plans("llama-8", ep=1)[0]
+    check_sharded_programs(plan)
+    with pytest.raises(ValueError, match=r"rank 1, action \d+ \(1F0\): stage 1 is sharded .* put '1UNSHARD' before"):
+        run_local_many([_without(plan, 1, "1UNSHARD")])
+    with pytest.raises(ValueError, match=r"rank 0: stages \[0\] .* never run REDUCE_GRAD"):
+        run_local_many([_without(plan, 0, "0REDUCE_GRAD")])
+    moved = plan_pb2.Plan()
+    moved.CopyFrom(plan)
+    first_f = next(i for i, a in enumerate(rank_actions(plan)[0]) if str(a) == "0F1")
+    actions = list(plan.ranks[0].actions)
+    del moved.ranks[0].actions[:]
+    moved.ranks[0].actions.extend([*actions[:first_f], actions[-1], *actions[first_f:]])  # a RESHARD in the middle
+    with pytest.raises(ValueError, match=r"\(0F1\): stage 0 is sharded .* not gathered"):
+        check_sharded_programs(moved)
+
+
+def test_add_fsdp_actions_prefetches_the_next_stage_and_reduces_after_the_last_backward() -> None:
+    plan = mesh_plans("llama-8", ep=1)[2]  # interleaved: stages 0 and 2 on rank 0
+    program = rank_actions(plan)[0]
+    texts = [str(a) for a in program]
+    compute = [i for i, a in enumerate(program) if a.kind.is_compute]
+    first_use = next(i for i in compute if program[i].stage == 2)
+    previous = max(i for i in compute if i < first_use)
+    assert texts.index("2UNSHARD") == previous - 1  # gathered one compute action early: prefetched
+    assert texts.index("0UNSHARD") == 0
+    for stage in (0, 2):
+        last_backward = max(i for i in compute if program[i].stage == stage and program[i].kind.name != "FORWARD")
+        assert texts[last_backward + 1 : last_backward + 3] == [f"{stage}REDUCE_GRAD", f"{stage}RESHARD"]
+    assert add_fsdp_actions(plan) == plan  # idempotent
+    exact = add_fsdp_actions(plan, prefetch=0, reshard=False)
+    texts = [str(a) for a in rank_actions(exact)[0]]
+    assert texts[texts.index("2UNSHARD") + 1].startswith("2F")
+    assert "0RESHARD" not in texts
+    check_sharded_programs(exact)
+
+
+# ---- the interpreter's own refusals (one process, no group: a stand-in sharded stage) ----
+
+
+class _FakeSharded:
+    """Gathers nothing: UNSHARD hands out a plain stage; REDUCE_GRAD counts calls."""
+
+    def __init__(self, exe: StageExecutable) -> None:
+        self.exe = exe
+        self.reduced = 0
+
+    @property
+    def graphs(self) -> StageGraphs:
+        return self.exe.graphs
+
+    @property
+    def static_tensors(self) -> list[torch.Tensor]:
+        return list(self.exe.params)
+
+    def unshard(self) -> StageExecutable:
+        return self.exe
+
+    def reduce_grad(self, full_grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        self.reduced += 1
+        return list(full_grads)
+
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _one_stage_runtime(program: str) -> tuple[RankRuntime, _FakeSharded, Batches]:
+    reference = workload_reference("llama-8", tiny=True, sequence=8, global_batch=2)
+    built = build_model(reference)
+    (stage,) = split_model(built.model, [built.model.pipeline_layers()])  # type: ignore[operator]
+    tokens, targets = built.batch(0)
+    fake = _FakeSharded(compile_stage(stage, [tokens[:1], targets[:1]]))
+    actions = [parse_action(a) for a in program.split()]
+    p2p = P2P(
+        rank=0,
+        programs={0: actions},
+        stage_rank={0: 0},
+        num_microbatches=2,
+        buffer_spec=lambda key: (torch.Size([1]), torch.float32),
+        timeout_s=5,
+        aborted=lambda: None,
+    )
+    runtime = RankRuntime(rank=0, program=actions, stages={0: fake}, stage_rank={0: 0}, num_microbatches=2, p2p=p2p)
+    return runtime, fake, list(zip(tokens.chunk(2), targets.chunk(2), strict=True))
+
+
+def test_the_interpreter_refuses_compute_on_a_sharded_stage_that_is_not_gathered() -> None:
+    runtime, fake, microbatches = _one_stage_runtime("0F0 0B0 0F1 0B1 0REDUCE_GRAD")
+    with pytest.raises(StepFailure, match=r"action 0 \(0F0\): stage 0 is sharded .*put '0UNSHARD' before"):
+        runtime.run_step(0, microbatches)
+    runtime, fake, microbatches = _one_stage_runtime("0UNSHARD 0F0 0B0 0RESHARD 0F1 0B1 0REDUCE_GRAD")
+    with pytest.raises(StepFailure, match=r"\(0F1\): .*RESHARD dropped its gathered parameters"):
+        runtime.run_step(0, microbatches)
+    runtime, fake, microbatches = _one_stage_runtime("0UNSHARD 0F0 0B0 0F1 0B1")
+    with pytest.raises(StepFailure, match=r"never ran REDUCE_GRAD"):
+        runtime.run_step(0, microbatches)
+    runtime, fake, microbatches = _one_stage_runtime("0UNSHARD 0F0 0B0 0REDUCE_GRAD 0F1 0B1")
+    with pytest.raises(StepFailure, match=r"\(0B1\): a backward of stage 0 runs after its REDUCE_GRAD"):
+        runtime.run_step(0, microbatches)
+    runtime, fake, microbatches = _one_stage_runtime("0UNSHARD 0F0 0B0 0F1 0B1 0REDUCE_GRAD 0RESHARD")
+    for step in range(2):  # every step gathers again and reduces once
+        assert runtime.run_step(step, microbatches) is not None
+        assert fake.reduced == step + 1
+        assert all(g is not None for g in runtime.grads[0])
+        runtime.zero_grads()
+
+
+def test_replica_batch_is_the_replicas_slice_and_checks_divisibility() -> None:
+    tokens, targets = torch.arange(8).view(8, 1), torch.arange(8).view(8, 1) + 100
+    mine = replica_batch(tokens, targets, dp=2, replica=1, num_microbatches=2)
+    assert mine[0].view(-1).tolist() == [4, 5, 6, 7] and mine[1].view(-1).tolist() == [104, 105, 106, 107]
+    with pytest.raises(ValueError, match="make it a multiple of 6"):
+        replica_batch(tokens, targets, dp=2, replica=0, num_microbatches=3)
