@@ -1,0 +1,49 @@
+"""A coordinator restart loses no run: records come back from its state folder and a running run is
+re-attached when its nodes heartbeat again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from octopipe.execute.control import Coordinator, NodeConfig, NodeDaemon, make_certs
+from octopipe.execute.control.client import ControlClient
+from octopipe.execute.linkprobe import free_port
+from octopipe.node.v1 import node_pb2
+from tests.execute.control_cluster import coordinator_config, llama_plan
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_restarted_coordinator_keeps_its_runs_and_reattaches_a_running_one(tmp_path: Path) -> None:
+    make_certs(tmp_path / "certs")
+    port = free_port()
+    config = coordinator_config(tmp_path, listen_port=port)
+    coordinator = Coordinator(config).start()
+    node = NodeDaemon(
+        NodeConfig(
+            node_id="node0", coordinator=coordinator.address, certs=tmp_path / "certs", slots=2,
+            work_dir=tmp_path / "node0", pin_cores=False, fence_after_s=20.0,
+        )
+    ).start()  # fmt: skip
+    try:
+        with ControlClient(coordinator.address, tmp_path / "certs") as client:
+            finished = client.submit(llama_plan(2, 2), steps=1, run_id="finished")
+            assert client.wait(finished, timeout_s=120).state == node_pb2.RUN_STATE_DONE
+            long_run = client.submit(llama_plan(2, 4), steps=12, run_id="long")
+            for run in client.watch(long_run, timeout_s=120):
+                if run.completed_steps >= 1:
+                    break
+        coordinator.stop()
+        coordinator = Coordinator(config).start()  # same state folder, same port
+        with ControlClient(coordinator.address, tmp_path / "certs") as client:
+            runs = {run.run_id: run for run in client.runs()}
+            assert runs["finished"].state == node_pb2.RUN_STATE_DONE
+            assert runs["long"].state == node_pb2.RUN_STATE_RUNNING
+            run = client.wait("long", timeout_s=180)
+            assert run.state == node_pb2.RUN_STATE_DONE, run.error
+            assert run.completed_steps == 12
+    finally:
+        node.stop()
+        coordinator.stop()

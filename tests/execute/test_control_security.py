@@ -1,0 +1,176 @@
+"""Mutual TLS and bad input: refused with a clear status, nothing runs, and the coordinator keeps serving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from octopipe.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
+from octopipe.execute.control import ControlClient, ControlError, make_certs
+from octopipe.execute.control.security import MAX_MESSAGE_BYTES, CertPaths, channel_options, secure_channel
+from octopipe.node.v1 import node_pb2, node_pb2_grpc
+from octopipe.plan.v1 import plan_pb2
+from tests.execute.control_cluster import Cluster, cluster, llama_plan
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+    root = tmp_path_factory.mktemp("security")
+    with cluster(root, nodes=1) as up:
+        yield up  # type: ignore[misc]
+
+
+def stub(
+    running: Cluster, identity: str = "admin", certs: Path | None = None
+) -> coordinator_pb2_grpc.CoordinatorServiceStub:
+    channel = secure_channel(running.coordinator.address, CertPaths(certs or running.certs, identity))
+    return coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+
+
+def still_serving(running: Cluster) -> None:
+    with running.client() as client:
+        client.runs()  # an authorized call still works
+    channel = secure_channel(running.coordinator.address, CertPaths(running.certs, "admin"))
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_client_without_a_certificate_is_refused_at_the_handshake(running: Cluster) -> None:
+    ca = (running.certs / "ca.pem").read_bytes()
+    channel = grpc.secure_channel(running.coordinator.address, grpc.ssl_channel_credentials(root_certificates=ca))
+    with pytest.raises(grpc.RpcError) as caught:
+        coordinator_pb2_grpc.CoordinatorServiceStub(channel).ListRuns(coordinator_pb2.ListRunsRequest(), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    still_serving(running)
+
+
+def test_a_plaintext_client_is_refused(running: Cluster) -> None:
+    channel = grpc.insecure_channel(running.coordinator.address)
+    with pytest.raises(grpc.RpcError) as caught:
+        coordinator_pb2_grpc.CoordinatorServiceStub(channel).ListRuns(coordinator_pb2.ListRunsRequest(), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    still_serving(running)
+
+
+def test_a_certificate_from_another_ca_is_refused(running: Cluster, tmp_path: Path) -> None:
+    make_certs(tmp_path / "other")
+    # the client trusts the right CA for the server, but presents a certificate the cluster's CA did not sign
+    other = CertPaths(tmp_path / "other", "admin")
+    _, cert, key = other.read()
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=(running.certs / "ca.pem").read_bytes(), private_key=key, certificate_chain=cert
+    )
+    channel = grpc.secure_channel(running.coordinator.address, credentials, options=channel_options())
+    with pytest.raises(grpc.RpcError) as caught:
+        coordinator_pb2_grpc.CoordinatorServiceStub(channel).ListRuns(coordinator_pb2.ListRunsRequest(), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    # and the client error says what to check
+    with ControlClient(running.coordinator.address, tmp_path / "other") as client, pytest.raises(ControlError) as error:
+        client.runs()
+    assert "cluster's CA" in str(error.value) or "check that the coordinator runs" in str(error.value)
+    still_serving(running)
+
+
+def test_a_node_certificate_cannot_submit_and_an_admin_cannot_register(running: Cluster) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        stub(running, "node").SubmitPlan(coordinator_pb2.SubmitPlanRequest(plan=llama_plan(), num_steps=1), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "role" in (caught.value.details() or "")
+    with pytest.raises(grpc.RpcError) as caught:
+        request = coordinator_pb2.RegisterNodeRequest(
+            node_id="evil", address="127.0.0.1:1", devices=[coordinator_pb2.Device(kind="cpu")]
+        )
+        stub(running, "admin").RegisterNode(request, timeout=5)
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "evil" not in [n for n, _, _ in running.coordinator.nodes()]
+    # a node daemon's own service refuses an admin certificate too
+    node = running.nodes[0]
+    channel = secure_channel(node.address, CertPaths(running.certs, "admin"))
+    with pytest.raises(grpc.RpcError) as caught:
+        node_pb2_grpc.NodeServiceStub(channel).GetNodeStatus(node_pb2.GetNodeStatusRequest(), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    still_serving(running)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda p: p.ClearField("stages"), "no stages"),
+        (lambda p: setattr(p, "num_microbatches", 0), "micro-batch"),
+        (lambda p: p.ranks[0].actions.pop(0), "does not verify"),
+        (lambda p: p.model.Clear(), "names no model"),
+        (lambda p: setattr(p, "num_microbatches", 1 << 20), "at most"),
+        (lambda p: setattr(p.mesh, "ep", 3), "does not divide"),
+    ],
+)
+def test_bad_plans_are_refused_with_the_reason(running: Cluster, change, message: str) -> None:  # type: ignore[no-untyped-def]
+    plan = llama_plan()
+    change(plan)
+    with running.client() as client, pytest.raises(ControlError) as caught:
+        client.submit(plan, steps=1)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in str(caught.value)
+    still_serving(running)
+
+
+def test_oversized_and_malformed_messages_are_refused(running: Cluster) -> None:
+    channel = secure_channel(running.coordinator.address, CertPaths(running.certs, "admin"))
+    submit = channel.unary_unary(
+        "/octopipe.coordinator.v1.CoordinatorService/SubmitPlan",
+        request_serializer=lambda raw: raw,
+        response_deserializer=coordinator_pb2.SubmitPlanResponse.FromString,
+    )
+    big = coordinator_pb2.SubmitPlanRequest(
+        plan=plan_pb2.Plan(name="x" * (MAX_MESSAGE_BYTES + 16)), num_steps=1
+    ).SerializeToString()
+    with pytest.raises(grpc.RpcError) as caught:
+        submit(big, timeout=30)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.RpcError) as caught:
+        submit(b"\xff\xff\xff\xff\x0f garbage", timeout=5)
+    assert caught.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+    # unknown fields (a newer client) are kept by proto3 and ignored: the plan is judged on what we know
+    plan = llama_plan()
+    raw = coordinator_pb2.SubmitPlanRequest(plan=plan, num_steps=1, run_id="unknown-fields").SerializeToString()
+    raw += bytes([0xF8, 0x07, 0x01])  # field 127, varint 1
+    response = submit(raw, timeout=10)
+    assert response.run_id == "unknown-fields"
+    with running.client() as client:
+        client.cancel("unknown-fields")
+    still_serving(running)
+
+
+def test_a_nack_fails_the_run_with_the_nodes_reason(running: Cluster) -> None:
+    plan = llama_plan(1, 2)
+    plan.model.source = "somewhere.else:build"  # the node does not allow this model source
+    plan.model.name = "custom"
+    with running.client() as client:
+        run_id = client.submit(plan, steps=1)
+        run = client.wait(run_id, timeout_s=30)
+    assert run.state == node_pb2.RUN_STATE_FAILED
+    assert "refused the plan" in run.error and "--allow-model-source somewhere.else:build" in run.error
+    still_serving(running)
+
+
+def test_re_pushes_with_the_same_nonce_are_idempotent_and_old_versions_refused(running: Cluster) -> None:
+    node = running.nodes[0]
+    channel = secure_channel(node.address, CertPaths(running.certs, "node"))
+    node_stub = node_pb2_grpc.NodeServiceStub(channel)
+    plan = llama_plan(1, 2)
+    request = node_pb2.PushPlanRequest(
+        run_id="direct", version=2, nonce="n1", plan=plan, num_steps=1,
+        assignment=node_pb2.RankAssignment(ranks=[0], world_size=1, rendezvous_host="127.0.0.1"),
+    )  # fmt: skip
+    first = node_stub.PushPlan(request, timeout=30)
+    again = node_stub.PushPlan(request, timeout=30)
+    assert first.accepted and again == first
+    older = node_pb2.PushPlanRequest()
+    older.CopyFrom(request)
+    older.version, older.nonce = 1, "n2"
+    answer = node_stub.PushPlan(older, timeout=30)
+    assert not answer.accepted and "not newer" in answer.reason
+    stopped = node_stub.StopRun(node_pb2.StopRunRequest(run_id="direct"), timeout=30)
+    assert stopped.state in (node_pb2.RUN_STATE_CANCELLED, node_pb2.RUN_STATE_DONE)
