@@ -71,6 +71,15 @@ def rss_bytes() -> int:
         return 0
 
 
+def _stream(kind: ActionKind) -> str:
+    """The stream a record names: compute, collective (UNSHARD, RESHARD, REDUCE_GRAD), send or recv."""
+    if kind.is_compute:
+        return "compute"
+    if kind.is_collective:
+        return "collective"
+    return "send" if kind in (ActionKind.SEND_F, ActionKind.SEND_B) else "recv"
+
+
 @dataclass(frozen=True)
 class ActionRecord:
     """One action as it ran: times on the machine's monotonic clock (comparable across local ranks)."""
@@ -203,8 +212,7 @@ class RankRuntime:
                 self._run(action, state, microbatches, step)
                 if on_action is not None:
                     end = time.perf_counter_ns()
-                    kind = action.kind
-                    stream = "compute" if kind.is_compute else "send" if kind.name.startswith("SEND") else "recv"
+                    stream = _stream(action.kind)
                     on_action(ActionRecord(str(action), stream, start, end, state.held_bytes(), rss_bytes()))
             except Exception as exc:
                 raise StepFailure(f"rank {self.rank}, step {step}, action {index} ({action}): {exc}") from exc

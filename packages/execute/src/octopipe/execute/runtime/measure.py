@@ -87,7 +87,7 @@ def measured_trace_events(
     """Chrome trace events of one measured step: a process per rank, a track per stream, a memory counter."""
     origin = _step_origin(result, step)
     events: list[dict[str, Any]] = []
-    tids = {"compute": 0, "send": 2, "recv": 3}
+    tids = {"compute": 0, "collective": 1, "send": 2, "recv": 3}
     for rank in sorted(result.timelines):
         pid = pid_offset + rank
         events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"measured rank {rank}"}})
