@@ -29,11 +29,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from vs_torch import SCHEDULES, percentile, run_torch
 
-from octopipe.execute.linkprobe import local_links, measure_link
+from octopipe.execute.linkprobe import measure_link
+from octopipe.execute.pipeline import profile_reference, tune_reference
 from octopipe.execute.runtime import measured_step_times_us, run_local, workload_reference
-from octopipe.execute.runtime.models import build_model
-from octopipe.transform import ProfilerConfig, profile_layers
-from octopipe.tune import TuneConfig, tune
+from octopipe.tune import TuneConfig
 
 M, P = 8, 2
 
@@ -48,17 +47,10 @@ def summary(values: list[float]) -> dict[str, float]:
 
 def bench(name: str, steps: int, tiny: bool) -> dict[str, Any]:
     reference = workload_reference(name, tiny=True, sequence=16) if tiny else workload_reference(name)
-    built = build_model(reference)
-    tokens, targets = built.batch(0)
-    size = tokens.shape[0] // M
     link, _ = measure_link()
-    profile = profile_layers(
-        built.model, tokens[:size], targets[:size], config=ProfilerConfig(repeats=5), links=local_links(link, P)
-    )
-    profile.model.CopyFrom(reference)
-    tuned = tune(profile, TuneConfig(num_ranks=P, num_microbatches=M))
+    profile = profile_reference(reference, num_microbatches=M, num_ranks=P, link=link)
+    tuned = tune_reference(profile, TuneConfig(num_ranks=P, num_microbatches=M))
     plan = tuned.plan
-    plan.model.CopyFrom(reference)
     ours = measured_step_times_us(run_local(plan, steps=steps, timeout_s=900))[1:]
     torch_runs = {schedule: run_torch(schedule, reference, M, steps)[1:] for schedule in SCHEDULES}
     best_name = min(torch_runs, key=lambda s: statistics.median(torch_runs[s]))

@@ -21,7 +21,6 @@ The measurement's own run-to-run spread is the (p90 - p10) / median of its steps
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import os
@@ -31,18 +30,10 @@ from typing import Any
 
 import torch
 
-from octopipe.execute.linkprobe import local_links, measure_link
-from octopipe.execute.runtime import (
-    local_cost_model,
-    measured_step_times_us,
-    run_local_many,
-    timelines_to_proto,
-    workload_reference,
-)
-from octopipe.execute.runtime.models import build_model
+from octopipe.execute.linkprobe import measure_link
+from octopipe.execute.pipeline import compare, layer_names, profile_reference
+from octopipe.execute.runtime import run_local_many, workload_reference
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate import durations_from_timelines, simulate
-from octopipe.transform import ProfilerConfig, profile_layers
 from octopipe.tune import equal_partition, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 
 M = 8
@@ -68,47 +59,31 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return score / len(pairs)
 
 
-def spread(values: list[float]) -> float:
-    ordered = sorted(values)
-    low, high = ordered[round(0.1 * (len(ordered) - 1))], ordered[round(0.9 * (len(ordered) - 1))]
-    return (high - low) / statistics.median(values)
-
-
 def bench_workload(name: str, steps: int, link: Any, *, tiny: bool = False) -> dict[str, Any]:
     reference = workload_reference(name, tiny=True, sequence=16) if tiny else workload_reference(name)
-    built = build_model(reference)
-    tokens, targets = built.batch(0)
-    size = tokens.shape[0] // M
-    profile = profile_layers(
-        built.model, tokens[:size], targets[:size], config=ProfilerConfig(repeats=5), links=local_links(link, 2)
-    )
-    names = built.model.pipeline_layers()  # type: ignore[operator]
-    plans = plans_for(reference, names)
+    profile = profile_reference(reference, num_microbatches=M, num_ranks=2, link=link)
+    plans = plans_for(reference, layer_names(reference))
     results = run_local_many(plans, steps=steps, timeout_s=600)
     rows = []
     for plan, result in zip(plans, results, strict=True):
-        costs = local_cost_model(plan, profile)
-        predicted = simulate(plan, costs).estimate
-        times = measured_step_times_us(result)[1:]
-        measured = statistics.median(times)
-        timelines = [t for t in timelines_to_proto(result) if t.step > 0]
-        replay = simulate(plan, dataclasses.replace(costs, durations_us=durations_from_timelines(timelines))).estimate
-        held = {r: max(t.peak_memory_bytes for t in timelines if t.rank == r) for r in result.timelines}
+        got = compare(plan, profile, [result])
         memory_errors = [
-            abs(predicted.ranks[r].peak_activation_bytes - held[r]) / held[r] for r in sorted(held) if held[r] > 0
+            abs(p - h) / h
+            for p, h in zip(got.predicted_activation_bytes, got.measured_activation_bytes, strict=True)
+            if h > 0
         ]
         rows.append(
             {
                 "schedule": plan.labels["schedule"],
-                "simulated_ms": predicted.step_time_us / 1e3,
-                "measured_ms": measured / 1e3,
-                "measured_spread": spread(times),
-                "step_time_error": abs(predicted.step_time_us - measured) / measured,
-                "simulated_peak_activation_mib": [r.peak_activation_bytes / 2**20 for r in predicted.ranks],
-                "measured_peak_held_mib": [held[r] / 2**20 for r in sorted(held)],
+                "simulated_ms": got.predicted_step_us / 1e3,
+                "measured_ms": got.measured_step_us / 1e3,
+                "measured_spread": got.spread,
+                "step_time_error": got.step_time_error,
+                "simulated_peak_activation_mib": [b / 2**20 for b in got.predicted_activation_bytes],
+                "measured_peak_held_mib": [b / 2**20 for b in got.measured_activation_bytes],
                 "memory_error": statistics.fmean(memory_errors),
-                "replay_ms": replay.step_time_us / 1e3,
-                "runtime_overhead": measured / replay.step_time_us,
+                "replay_ms": got.replay_step_us / 1e3,
+                "runtime_overhead": got.measured_step_us / got.replay_step_us,
             }
         )
     tau = kendall_tau([float(r["simulated_ms"]) for r in rows], [float(r["measured_ms"]) for r in rows])  # type: ignore[arg-type]

@@ -31,7 +31,7 @@ def installed_version() -> str:
 def test_console_script_help_and_version() -> None:
     result = subprocess.run([*OCTOPIPE, "--help"], capture_output=True, text=True, check=False)
     assert result.returncode == 0
-    for command in ("plan", "demo"):
+    for command in ("profile", "tune", "simulate", "run", "trace", "coordinator", "node", "plan", "demo"):
         assert command in result.stdout
     version = subprocess.run([*OCTOPIPE, "--version"], capture_output=True, text=True, check=False)
     assert version.returncode == 0
@@ -88,20 +88,6 @@ def test_convert_between_formats(tmp_path: Path) -> None:
     assert (tmp_path / "p.csv").read_text().splitlines()[2].startswith("2RECV_F0,2F0,2B0,2SEND_B0")
 
 
-def test_demo_writes_round_tripping_plans(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [*OCTOPIPE, "--log-format", "json", "demo", "--out", str(tmp_path)], capture_output=True, text=True, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    assert "plan 1f1b-p2-m4: 2 stages on 2 ranks, 4 micro-batches" in result.stdout
-    plans = [load_plan(tmp_path / name) for name in ("plan.binpb", "plan.json", "plan.txt")]
-    assert plans[0] == plans[1] == plans[2]
-    assert list(plans[0].stages[0].layer_names)[:2] == ["embed", "layers.0"]
-    event = json.loads(result.stderr.strip().splitlines()[-1])
-    assert event["event"] == "demo_plan_written"
-    assert event["ranks"] == 2
-
-
 def test_profile_writes_a_profile(tmp_path: Path) -> None:
     from octopipe.profile.v1 import profile_pb2
 
@@ -134,3 +120,110 @@ def test_profile_writes_a_profile(tmp_path: Path) -> None:
     )
     assert bad.returncode == 2
     assert bad.stderr.strip() == f"octopipe: error: --out {tmp_path / 'p.yaml'}: use a .binpb, .pb or .json file"
+
+
+def _plan_file(tmp_path: Path, *, named: bool = False) -> Path:
+    path = tmp_path / "plan.txt"
+    path.write_text(plan_to_text(one_f_one_b(2, 4, layer_names=[["a"], ["b"]] if named else None)))
+    return path
+
+
+def test_simulate_prints_the_estimate_as_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from octopipe.simulate import CostModel, StageCost, simulate
+
+    plan = one_f_one_b(2, 4)  # names no layers: every stage's F, I and W cost 1 us
+    expected = simulate(
+        plan, CostModel.uniform(num_stages=2, stage=StageCost(forward_us=1, backward_input_us=1, backward_weight_us=1))
+    ).estimate
+    assert expected.step_time_us == 15.0  # 1F1B: (m + p - 1) * (F + B), B = I + W, free links
+    trace, png = tmp_path / "sim.json", tmp_path / "sim.png"
+    argv = ["simulate", str(_plan_file(tmp_path)), "--json", "--trace", str(trace), "--png", str(png)]
+    assert main(argv) == EXIT_OK
+    document = json.loads(capsys.readouterr().out)
+    assert document["plan"] == plan.name
+    assert document["step_time_us"] == expected.step_time_us
+    assert document["bubble_ratio"] == expected.bubble_ratio
+    assert document["files"] == {"trace": str(trace), "png": str(png)}
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["args"]["name"] for e in events if e.get("name") == "process_name"} == {"rank 0", "rank 1"}
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_rejected_plan_is_exit_2_with_the_error_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from octopipe.simulate import uniform_profile
+
+    profile = uniform_profile(["a", "b"], num_ranks=2, activation_bytes=1000)
+    (tmp_path / "costs.binpb").write_bytes(profile.SerializeToString())
+    argv = [
+        "simulate",
+        str(_plan_file(tmp_path, named=True)),
+        "--profile",
+        str(tmp_path / "costs.binpb"),
+        "--memory-cap",
+        "1500",
+    ]
+    assert main(argv) == EXIT_USAGE
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("octopipe: error: rank ") and "memory cap of 1500 bytes" in lines[0]
+    assert all(line.startswith("  ") for line in lines[1:]), "context after the error line is indented"
+
+
+def test_trace_puts_measured_timelines_beside_the_simulation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from octopipe.profile.v1 import profile_pb2
+    from octopipe.simulate import uniform_profile
+    from octopipe.simulate.ir import action_to_proto, parse_action
+
+    (tmp_path / "costs.binpb").write_bytes(uniform_profile(["a", "b"], num_ranks=2).SerializeToString())
+    measured = profile_pb2.Profile()
+    for rank, actions in ((0, ["0F0", "0SEND_F0"]), (1, ["1RECV_F0", "1F0"])):
+        for step in range(2):
+            timeline = measured.timelines.add(rank=rank, step=step)
+            for index, text in enumerate(actions):
+                record = timeline.records.add(
+                    stream="compute", start_us=10.0 * index, end_us=10.0 * index + 5, memory_after_bytes=64
+                )
+                record.action.CopyFrom(action_to_proto(parse_action(text)))
+    (tmp_path / "timeline.binpb").write_bytes(measured.SerializeToString())
+    out = tmp_path / "trace.json"
+    argv = [
+        "trace", str(_plan_file(tmp_path, named=True)), "--profile", str(tmp_path / "costs.binpb"),
+        "--timeline", str(tmp_path / "timeline.binpb"), "--out", str(out), "--json",
+    ]  # fmt: skip
+    assert main(argv) == EXIT_OK
+    assert json.loads(capsys.readouterr().out)["tracks"] == ["simulated", "measured"]
+    events = json.loads(out.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert set(names.values()) == {"simulated rank 0", "simulated rank 1", "measured rank 0", "measured rank 1"}
+    spans = [(names[e["pid"]], e["name"], e["ts"], e["dur"]) for e in events if e.get("ph") == "X"]
+    assert ("measured rank 1", "1F0", 10.0, 5.0) in spans
+    assert ("simulated rank 0", "0F0", 0.0, 1.0) in [(*s[:3], round(s[3], 6)) for s in spans]
+    assert main([*argv[:-1], "--step", "2"]) == EXIT_USAGE
+    assert "--step 2: the timeline holds steps 0 to 1" in capsys.readouterr().err
+
+
+def test_exit_codes_for_a_failed_run_and_a_bug(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from octopipe.execute import simulate_cmd
+    from octopipe.execute.cli import EXIT_INTERNAL, EXIT_RUN_FAILED
+    from octopipe.execute.runtime import RunFailed
+
+    def failing(args: object) -> int:
+        raise RunFailed("rank 1 failed at step 0 (1F0): boom (exit codes {})")
+
+    monkeypatch.setattr(simulate_cmd, "run", failing)
+    assert main(["simulate", "plan.txt"]) == EXIT_RUN_FAILED
+    assert capsys.readouterr().err.strip() == (
+        "octopipe: error: the run failed: rank 1 failed at step 0 (1F0): boom (exit codes {})"
+    )
+
+    def buggy(args: object) -> int:
+        raise KeyError("oops")
+
+    monkeypatch.setattr(simulate_cmd, "run", buggy)
+    assert main(["simulate", "plan.txt"]) == EXIT_INTERNAL
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "Traceback (most recent call last):"
+    assert err[-1].startswith("octopipe: error: internal error KeyError: 'oops' (a bug")

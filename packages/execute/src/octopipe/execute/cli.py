@@ -1,7 +1,13 @@
 """The ``octopipe`` command line.
 
-Exit codes: 0 success; 1 an internal error (a bug: please report it);
-2 bad arguments or unreadable input (the one-line message says what to change).
+Exit codes (every error is one line on stderr, ``octopipe: error: ...``, saying what to change):
+
+- 0: success;
+- 1: an internal error (a bug: the traceback is printed above the line; please report it);
+- 2: bad arguments or unreadable input, including a plan the static verifier rejects;
+- 3: a run failed (a rank raised, died or timed out; the line names the rank, step and action);
+- 4: the coordinator could not be reached;
+- 130: interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -9,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
 import structlog
 
-from octopipe.execute import control_cmd, demo, profile_cmd, run_cmd, tune_cmd
+from octopipe.execute import control_cmd, demo, profile_cmd, run_cmd, simulate_cmd, trace_cmd, tune_cmd
 from octopipe.execute.logconfig import configure_logging
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate.ir import (
@@ -28,11 +35,22 @@ from octopipe.simulate.ir import (
 )
 from octopipe.tune import gpipe, one_f_one_b
 
-__all__ = ["EXIT_INTERNAL", "EXIT_OK", "EXIT_USAGE", "main"]
+__all__ = [
+    "EXIT_INTERNAL",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_RUN_FAILED",
+    "EXIT_UNREACHABLE",
+    "EXIT_USAGE",
+    "main",
+]
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_USAGE = 2
+EXIT_RUN_FAILED = control_cmd.EXIT_RUN_FAILED
+EXIT_UNREACHABLE = control_cmd.EXIT_UNREACHABLE
+EXIT_INTERRUPTED = 130
 
 _SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 _FORMATS = ("binary", "json", "text", "csv")
@@ -80,8 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--to", dest="to_format", choices=_FORMATS, help="default: from the suffix")
 
     profile_cmd.add_parser(sub)
-    run_cmd.add_parser(sub)
     tune_cmd.add_parser(sub)
+    simulate_cmd.add_parser(sub)
+    run_cmd.add_parser(sub)
+    trace_cmd.add_parser(sub)
     control_cmd.add_parser(sub)
 
     demo.add_parser(sub)
@@ -138,6 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_cmd.run(args)
         if args.command == "tune":
             return tune_cmd.run(args)
+        if args.command == "simulate":
+            return simulate_cmd.run(args)
+        if args.command == "trace":
+            return trace_cmd.run(args)
         if args.command == "demo":
             return demo.run(args)
         handler = getattr(args, "handler", None)
@@ -146,8 +170,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     except (UsageError, PlanError, ValueError) as exc:
-        print(f"octopipe: error: {exc}", file=sys.stderr)
+        _error(str(exc))
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("octopipe: error: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if _is_run_failure(exc):
+            _error(f"the run failed: {exc}")
+            return EXIT_RUN_FAILED
+        traceback.print_exc()
+        print(
+            f"octopipe: error: internal error {type(exc).__name__}: {exc} (a bug: please report it with the command "
+            "and the traceback above)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
+
+
+def _error(message: str) -> None:
+    """The error on one line; lines after the first (a verifier's rank x step grid) follow indented."""
+    first, *context = message.strip().splitlines() or [""]
+    print(f"octopipe: error: {first}", file=sys.stderr)
+    for line in context:
+        print(f"  {line}", file=sys.stderr)
+
+
+def _is_run_failure(exc: Exception) -> bool:
+    """A rank failed (``runtime.RunFailed``, ``CommTimeout``); checked without loading the runtime (torch)."""
+    launcher, comm = (
+        sys.modules.get("octopipe.execute.runtime.launcher"),
+        sys.modules.get("octopipe.execute.runtime.comm"),
+    )
+    failures = tuple(
+        cls for cls in (getattr(launcher, "RunFailed", None), getattr(comm, "CommTimeout", None)) if cls is not None
+    )
+    return bool(failures) and isinstance(exc, failures)
 
 
 def entry() -> NoReturn:

@@ -19,28 +19,20 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from octopipe.execute import pipeline
 from octopipe.execute.jsonout import dumps, estimate_json, print_json
-from octopipe.execute.linkprobe import measure_link
-from octopipe.execute.runtime import (
-    RunResult,
-    local_cost_model,
-    run_local_many,
-    workload_reference,
-    write_side_by_side_trace,
-)
-from octopipe.plan.v1 import plan_pb2
-from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import plot_timeline, verify_plan
-from octopipe.simulate.ir import format_grid, plan_to_text, plan_to_torch_csv, save_plan
-from octopipe.tune import TuneConfig
+
+if TYPE_CHECKING:  # the job's modules load torch: imported when the demo runs, not when the CLI starts
+    from octopipe.execute.pipeline import Comparison
+    from octopipe.execute.runtime import RunResult
+    from octopipe.plan.v1 import plan_pb2
+    from octopipe.profile.v1 import profile_pb2
 
 __all__ = ["DemoConfig", "add_parser", "run", "run_demo"]
 
@@ -79,6 +71,8 @@ class DemoConfig:
             )
 
     def reference(self) -> plan_pb2.ModelReference:
+        from octopipe.execute.runtime import workload_reference  # noqa: PLC0415
+
         return workload_reference(self.workload, **SIZES[self.size])
 
 
@@ -124,6 +118,8 @@ def _run_plans(plans: Sequence[plan_pb2.Plan], steps: int, *, timeout_s: float, 
 
     The one place the demo starts ranks (today: one launch of ``run_local_many``).
     """
+    from octopipe.execute.runtime import run_local_many  # noqa: PLC0415
+
     return run_local_many(list(plans), steps=steps, timeout_s=timeout_s, pin_cores=pin_cores)
 
 
@@ -155,6 +151,12 @@ class _Step:
 
 def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str, Any]:
     """The whole job; prints tables on ``console`` (None: silent) and returns the JSON summary."""
+    from octopipe.execute import pipeline  # noqa: PLC0415
+    from octopipe.execute.linkprobe import measure_link  # noqa: PLC0415
+    from octopipe.execute.runtime import local_cost_model  # noqa: PLC0415
+    from octopipe.simulate import verify_plan  # noqa: PLC0415
+    from octopipe.tune import TuneConfig  # noqa: PLC0415
+
     log = structlog.get_logger("octopipe.demo")
     reference = config.reference()
     out = config.out
@@ -239,11 +241,14 @@ def _write_files(
     plan: plan_pb2.Plan,
     baseline: plan_pb2.Plan,
     profile: profile_pb2.Profile,
-    tuned_cmp: pipeline.Comparison,
-    base_cmp: pipeline.Comparison,
+    tuned_cmp: Comparison,
+    base_cmp: Comparison,
     results: Sequence[RunResult],
 ) -> dict[str, Path]:
     from octopipe.execute.profile_cmd import save_profile  # noqa: PLC0415
+    from octopipe.execute.runtime import write_side_by_side_trace  # noqa: PLC0415
+    from octopipe.simulate import plot_timeline  # noqa: PLC0415
+    from octopipe.simulate.ir import plan_to_text, plan_to_torch_csv, save_plan  # noqa: PLC0415
 
     files = {
         "plan": out / "plan.binpb",
@@ -281,11 +286,13 @@ def _print_report(
     plan: plan_pb2.Plan,
     profile: profile_pb2.Profile,
     description: str,
-    tuned: pipeline.Comparison,
-    base: pipeline.Comparison,
+    tuned: Comparison,
+    base: Comparison,
     summary: dict[str, Any],
     files: dict[str, Path],
 ) -> None:
+    from octopipe.simulate.ir import format_grid  # noqa: PLC0415
+
     stages = Table(title=f"plan: {description}")
     for column in ("stage", "rank", "layers", "predicted F+B+W per micro-batch ms"):
         stages.add_column(column)

@@ -25,6 +25,7 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--trace", type=Path, help="write a Perfetto trace (simulated and measured side by side)")
     parser.add_argument("--timeline", type=Path, help="write the measured timelines as a Profile (.binpb/.json)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin each rank to its own core")
+    parser.add_argument("--json", action="store_true", help="print losses and step times as JSON instead of a table")
     parser.add_argument(
         "--torchrun", action="store_true", help="join an external launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
     )
@@ -80,6 +81,26 @@ def run(args: argparse.Namespace) -> int:
     simulation = simulate(plan, local_cost_model(plan, load_profile(args.profile))) if args.profile else None
     result = run_local(plan, steps=args.steps, seed=args.seed, timeout_s=args.timeout, pin_cores=not args.no_pin)
     times = measured_step_times_us(result)
+    if args.timeline:
+        message = profile_pb2.Profile(device="cpu")
+        message.model.CopyFrom(plan.model)
+        message.timelines.extend(timelines_to_proto(result))
+        save_profile(message, args.timeline)
+    if args.trace:
+        write_side_by_side_trace(args.trace, simulation, result, step=len(times) - 1)
+    if args.json:
+        from octopipe.execute.jsonout import estimate_json, print_json  # noqa: PLC0415
+
+        print_json(
+            {
+                "plan": plan.name,
+                "losses": result.losses,
+                "measured_step_ms": [t / 1e3 for t in times],
+                "simulated": estimate_json(simulation.estimate) if simulation is not None else None,
+                "files": {k: str(v) for k, v in (("timeline", args.timeline), ("trace", args.trace)) if v},
+            }
+        )
+        return 0
     console = Console()
     table = Table(
         title=f"{plan.name or args.plan.name}: {len(plan.ranks)} ranks, {plan.num_microbatches} micro-batches"
@@ -96,12 +117,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(*row)
     console.print(table)
     if args.timeline:
-        message = profile_pb2.Profile(device="cpu")
-        message.model.CopyFrom(plan.model)
-        message.timelines.extend(timelines_to_proto(result))
-        save_profile(message, args.timeline)
         console.print(f"timelines: {args.timeline}")
     if args.trace:
-        write_side_by_side_trace(args.trace, simulation, result, step=len(times) - 1)
         console.print(f"trace: {args.trace} (open in https://ui.perfetto.dev)")
     return 0
