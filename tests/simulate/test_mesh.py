@@ -56,3 +56,8 @@ def test_coordinates_outside_are_refused() -> None:
         spec.global_rank(2, 0)
     with pytest.raises(PlanError, match="not in the mesh"):
         spec.coords(9)
+
+
+def test_a_mesh_too_large_to_hold_is_refused() -> None:
+    with pytest.raises(PlanError, match="at most"):
+        mesh_spec(_plan(dp=1 << 30))

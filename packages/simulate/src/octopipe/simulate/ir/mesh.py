@@ -15,7 +15,10 @@ from dataclasses import dataclass
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate.ir.plan import PlanError
 
-__all__ = ["MeshSpec", "mesh_spec"]
+__all__ = ["MAX_WORLD_SIZE", "MeshSpec", "mesh_spec"]
+
+#: the largest mesh a plan may describe (pp x dp processes)
+MAX_WORLD_SIZE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,10 @@ def mesh_spec(plan: plan_pb2.Plan) -> MeshSpec:
     if dp % ep:
         raise PlanError(f"mesh ep={ep} does not divide dp={dp}: choose an expert-parallel degree that divides dp")
     world = pp * dp
+    if world > MAX_WORLD_SIZE:
+        raise PlanError(
+            f"the mesh pp={pp} x dp={dp} has {world} ranks; at most {MAX_WORLD_SIZE} are supported: lower dp"
+        )
     if mesh.global_ranks:
         ranks = tuple(mesh.global_ranks)
         if len(ranks) != world:
