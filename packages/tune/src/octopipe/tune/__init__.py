@@ -2,14 +2,18 @@
 
 Never imports torch. Schedules are functions that return a Plan; ``tune``
 searches partitions, placements and schedules, scoring each candidate with
-the simulator, under per-rank memory caps; ``exact_schedule`` (extra
+the simulator, under per-rank memory caps; ``tune_mesh`` chooses pp x dp (and
+the micro-batch count) for a number of devices and places the FSDP
+collectives; ``exact_schedule`` (extra
 ``octopipe-tune[exact]``) solves small instances optimally for comparison.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
 from octopipe.tune.exact import ExactResult, exact_schedule
+from octopipe.tune.fsdp import PLACEMENTS, CollectivePlacement, place_collectives
 from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
+from octopipe.tune.mesh_search import MeshCandidate, MeshTuneConfig, MeshTuneResult, scale_microbatches, tune_mesh
 from octopipe.tune.optimizer import PhaseReport, TuneConfig, TuneResult, tune
 from octopipe.tune.partition import equal_partition
 from octopipe.tune.problem import FAMILIES, balanced_bounds, equal_bounds, placement_for
@@ -23,8 +27,13 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 __all__ = [
     "FAMILIES",
+    "PLACEMENTS",
+    "CollectivePlacement",
     "ExactResult",
     "ListSchedulerConfig",
+    "MeshCandidate",
+    "MeshTuneConfig",
+    "MeshTuneResult",
     "PhaseReport",
     "TuneConfig",
     "TuneResult",
@@ -38,8 +47,11 @@ __all__ = [
     "interleaved_1f1b",
     "list_schedule",
     "one_f_one_b",
+    "place_collectives",
     "placement_for",
+    "scale_microbatches",
     "tune",
+    "tune_mesh",
     "v_half",
     "v_min",
     "v_placement",

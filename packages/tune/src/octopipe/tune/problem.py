@@ -120,6 +120,7 @@ class Layers:
             gradient_bytes=sum(c.gradient_bytes for c in costs),
             optimizer_state_bytes=sum(c.optimizer_state_bytes for c in costs),
             output_bytes=sum(t.size_bytes for t in costs[-1].output_tensors) if costs else 0,
+            all_to_all_bytes=sum(c.all_to_all_bytes for c in costs),
         )
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Final
 
 from octopipe.plan.v1 import plan_pb2
@@ -53,12 +55,13 @@ class ActionKind(enum.Enum):
     @classmethod
     def from_proto(cls, value: int) -> ActionKind:
         """The kind for an ``octopipe.plan.v1.ActionKind`` value."""
-        if value not in plan_pb2.ActionKind.values() or value == plan_pb2.ACTION_KIND_UNSPECIFIED:
+        found = _BY_PROTO.get(value)
+        if found is None:
             raise ValueError(
                 f"action kind {value} is not a valid ActionKind: set `kind` to one of "
                 "ACTION_KIND_FORWARD .. ACTION_KIND_REDUCE_GRAD"
             )
-        return cls[plan_pb2.ActionKind.Name(plan_pb2.ActionKind.ValueType(value)).removeprefix("ACTION_KIND_")]
+        return found
 
     @property
     def is_compute(self) -> bool:
@@ -81,6 +84,8 @@ class ActionKind(enum.Enum):
         return self not in _STAGE_WIDE and self is not ActionKind.OVERLAP_F_B
 
 
+# proto value -> kind (read-only; every kind but ACTION_KIND_UNSPECIFIED)
+_BY_PROTO: Final[Mapping[int, ActionKind]] = MappingProxyType({kind.proto: kind for kind in ActionKind})
 _COMPUTE: Final = frozenset(
     {
         ActionKind.FORWARD,

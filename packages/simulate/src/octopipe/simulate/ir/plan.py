@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate.ir.actions import Action, action_from_proto, action_to_proto, parse_action
@@ -119,9 +120,27 @@ def validate_plan(plan: plan_pb2.Plan) -> None:
             seen_layers[layer] = position
     mesh_spec(plan)
     placement = stage_ranks(plan)
+    m = plan.num_microbatches
     for program in plan.ranks:
+        rank = program.rank
         for step, message in enumerate(program.actions):
-            _check_action(plan, placement, program.rank, step, message)
+            # fast path for the common, valid plain action; anything else gets the full check and its message
+            kind = message.kind
+            if kind in _PLAIN and not message.sub_actions and placement.get(message.stage_index) == rank:
+                if kind in _STAGE_WIDE:
+                    if not message.HasField("microbatch_index"):
+                        continue
+                elif message.HasField("microbatch_index") and message.microbatch_index < m:
+                    continue
+            _check_action(plan, placement, rank, step, message)
+
+
+_STAGE_WIDE: Final = frozenset(
+    {plan_pb2.ACTION_KIND_UNSHARD, plan_pb2.ACTION_KIND_RESHARD, plan_pb2.ACTION_KIND_REDUCE_GRAD}
+)
+_PLAIN: Final = frozenset(
+    set(plan_pb2.ActionKind.values()) - {plan_pb2.ACTION_KIND_UNSPECIFIED, plan_pb2.ACTION_KIND_OVERLAP_F_B}
+)
 
 
 def _check_action(

@@ -1,0 +1,397 @@
+"""Choosing the mesh: pp x dp (and so the micro-batch count) for a number of devices, with FSDP collectives.
+
+Given D devices, a global batch of G samples and a Profile whose micro-batches
+hold b samples, every pipeline degree pp that divides D (and has at least one
+layer per stage) gives dp = D / pp data-parallel replicas, each with G / dp
+samples per step (pp is skipped where that is not a multiple of b). The
+micro-batch count m is the largest count of at most ``max_microbatches`` that
+splits them into equal micro-batches of k x b samples (k >= 1); the profile's
+per-micro-batch costs are then scaled by k (times, activation, boundary and
+all-to-all bytes; not parameters): linear in the micro-batch size, which holds
+for micro-batches big enough to keep a device busy, and makes more, smaller
+micro-batches never slower, so the cap on m only bounds the search's cost.
+For each (pp, dp, m) the search
+
+1. partitions the layers into stages balanced by F + I + W time,
+2. takes every library schedule of the chosen placement families (see
+   ``octopipe.tune.LIBRARY``) and places UNSHARD / RESHARD / REDUCE_GRAD under
+   each :data:`~octopipe.tune.fsdp.PLACEMENTS` policy,
+3. simulates ONE pipeline replica (all replicas are identical: the simulator
+   times the collectives by the group size dp and counts the sharded bytes),
+
+and keeps the fastest plan within the memory cap. The winner's partition is
+then refined for ``refine_s`` seconds by the co-optimizer's boundary moves with
+its action order fixed. The baseline is 1F1B with equal layer counts on the
+same mesh (same pp, dp, m; collectives prefetched, no RESHARD). Plans are
+scored by step time: every candidate processes the same global batch, so the
+shortest step is the highest throughput.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from octopipe.plan.v1 import plan_pb2
+from octopipe.profile.v1 import profile_pb2
+from octopipe.simulate import CostModel, Estimate, GroupLinks, Link, OverlapModel, SimulationConfig, simulate
+from octopipe.simulate.ir import validate_plan
+from octopipe.tune.fsdp import PLACEMENTS, CollectivePlacement, place_collectives
+from octopipe.tune.optimizer import TuneConfig, _Search
+from octopipe.tune.problem import (
+    FAMILIES,
+    LIBRARY,
+    Candidate,
+    Evaluator,
+    Layers,
+    Score,
+    balanced_bounds,
+    equal_bounds,
+    placement_for,
+)
+
+__all__ = ["MeshCandidate", "MeshTuneConfig", "MeshTuneResult", "scale_microbatches", "tune_mesh"]
+
+Progress = Callable[[str], None]
+
+
+@dataclass(kw_only=True, frozen=True)
+class MeshTuneConfig:
+    """What to choose a mesh for.
+
+    ``devices``: the number of accelerators (pp x dp). ``global_batch``:
+    samples per optimizer step over all replicas (a multiple of dp x the
+    profile's micro-batch size for a pp to be considered).
+    ``memory_cap_bytes``: per device. ``collectives``: the data-parallel (and
+    expert-parallel) group costs; None takes the Profile's ``collectives``.
+    ``p2p_link``: pipeline sends between stages where the Profile has no
+    LinkCost for a pair (None: the Profile's links only). ``pipeline_degrees``:
+    the pp values to try (None: every divisor of ``devices`` that fits).
+    ``ep``: expert-parallel degree inside each data-parallel group.
+    ``max_microbatches``: the most micro-batches per replica (module doc).
+    ``refine_s``: seconds of partition refinement for the winner (0: none).
+    """
+
+    devices: int
+    global_batch: int
+    memory_cap_bytes: int
+    collectives: GroupLinks | None = None
+    p2p_link: Link | None = None
+    pipeline_degrees: tuple[int, ...] | None = None
+    families: tuple[str, ...] = FAMILIES
+    placements: tuple[CollectivePlacement, ...] = PLACEMENTS
+    ep: int = 1
+    max_microbatches: int = 64
+    overlap_hidden_fraction: float = 0.0
+    refine_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.devices < 1 or self.global_batch < 1:
+            raise ValueError(f"devices and global_batch must be >= 1, got {self.devices} and {self.global_batch}")
+        if self.memory_cap_bytes < 1:
+            raise ValueError(f"memory_cap_bytes must be >= 1, got {self.memory_cap_bytes}")
+        unknown = [f for f in self.families if f not in FAMILIES]
+        if unknown or not self.families:
+            raise ValueError(f"families {unknown or '()'}: choose from {', '.join(FAMILIES)}")
+        if not self.placements:
+            raise ValueError("placements is empty: give at least one CollectivePlacement")
+        if self.max_microbatches < 1:
+            raise ValueError(f"max_microbatches must be >= 1, got {self.max_microbatches}")
+        if self.ep < 1 or self.refine_s < 0:
+            raise ValueError(f"ep must be >= 1 and refine_s >= 0, got {self.ep} and {self.refine_s}")
+        for pp in self.pipeline_degrees or ():
+            if pp < 1 or self.devices % pp:
+                raise ValueError(f"pipeline degree {pp} does not divide {self.devices} devices")
+
+
+@dataclass(kw_only=True, frozen=True)
+class MeshCandidate:
+    """One (pp, dp, m): its best plan's step, or why it has none."""
+
+    pp: int
+    dp: int
+    num_microbatches: int
+    microbatch_size: int
+    step_time_us: float
+    fits: bool
+    schedule: str = ""
+    placement: str = ""
+    peak_memory_bytes: int = 0
+    reason: str = ""
+
+
+@dataclass(kw_only=True, frozen=True)
+class MeshTuneResult:
+    """The chosen mesh and plan (verified, within the cap), 1F1B on the same mesh, and every (pp, dp, m) tried."""
+
+    plan: plan_pb2.Plan
+    estimate: Estimate
+    baseline: Estimate
+    pp: int
+    dp: int
+    num_microbatches: int
+    microbatch_size: int
+    description: str
+    candidates: tuple[MeshCandidate, ...] = field(default_factory=tuple)
+    simulations: int = 0
+    seconds: float = 0.0
+
+    @property
+    def speedup(self) -> float:
+        """1F1B's step time on the same mesh / the chosen plan's."""
+        return self.baseline.step_time_us / self.estimate.step_time_us
+
+
+class _MeshEvaluator(Evaluator):
+    """An Evaluator whose cost models time the mesh's collectives."""
+
+    def __init__(self, profile: profile_pb2.Profile, config: MeshTuneConfig, links: GroupLinks, pp: int, m: int):
+        super().__init__(
+            profile,
+            num_ranks=pp,
+            num_microbatches=m,
+            memory_caps=dict.fromkeys(range(pp), config.memory_cap_bytes),
+            default_link=config.p2p_link,
+            overlap=OverlapModel(hidden_fraction=config.overlap_hidden_fraction),
+        )
+        self.collectives = links
+        self.dp, self.ep = config.devices // pp, config.ep
+
+    def cost_model(self, bounds: Sequence[int]) -> CostModel:
+        return replace(super().cost_model(bounds), collectives=self.collectives)
+
+    def mesh_plan(self, candidate: Candidate, policy: CollectivePlacement) -> plan_pb2.Plan | None:
+        compute = self.compute(candidate, self.cost_model(candidate.bounds))
+        if compute is None:
+            return None
+        placed = place_collectives(compute, candidate.placement, policy)
+        plan = self.assemble(candidate, placed, name="candidate", validate=False)
+        plan.mesh.dp, plan.mesh.ep = self.dp, self.ep
+        plan.labels["collectives"] = policy.name
+        return plan
+
+
+def tune_mesh(
+    profile: profile_pb2.Profile, config: MeshTuneConfig, *, progress: Progress | None = None
+) -> MeshTuneResult:
+    """Choose pp x dp x m, schedule and collective placement for ``config.devices`` devices (module doc).
+
+    Raises ValueError naming what to change when no (pp, dp, m) has a plan within the cap.
+    """
+    start = time.perf_counter()
+    links = config.collectives if config.collectives is not None else GroupLinks.from_profile(profile)
+    if links is None:
+        raise ValueError(
+            "no collective costs: add CollectiveCost entries (GROUP_KIND_DATA_PARALLEL) to the profile "
+            "or pass MeshTuneConfig.collectives"
+        )
+    layers = Layers.from_profile(profile)
+    b = max(1, profile.microbatch_size)
+    degrees = config.pipeline_degrees or tuple(pp for pp in range(1, config.devices + 1) if config.devices % pp == 0)
+    candidates: list[MeshCandidate] = []
+    best: tuple[Score, _MeshEvaluator, Candidate, plan_pb2.Plan, str] | None = None
+    simulations = 0
+    for pp in degrees:
+        dp = config.devices // pp
+        if pp > len(layers):
+            continue
+        if config.global_batch % (dp * b) or dp % config.ep:
+            why = (
+                f"ep={config.ep} does not divide dp={dp}"
+                if dp % config.ep
+                else f"global batch {config.global_batch} is not a multiple of dp x micro-batch size = {dp * b}"
+            )
+            candidates.append(
+                MeshCandidate(
+                    pp=pp, dp=dp, num_microbatches=0, microbatch_size=0, step_time_us=0, fits=False, reason=why
+                )
+            )
+            continue
+        per_replica = config.global_batch // (dp * b)
+        k = next(
+            k for k in range(1, per_replica + 1) if per_replica % k == 0 and per_replica // k <= config.max_microbatches
+        )
+        m = per_replica // k
+        ev = _MeshEvaluator(scale_microbatches(profile, k), config, links, pp, m)
+        found = _search_degree(ev, config, len(layers))
+        simulations += ev.evaluations
+        if found is None:
+            continue
+        score, candidate, plan, label = found
+        peak = max(r.peak_memory_bytes for r in score.estimate.ranks) if score.estimate is not None else 0
+        candidates.append(
+            MeshCandidate(
+                pp=pp,
+                dp=dp,
+                num_microbatches=m,
+                microbatch_size=k * b,
+                step_time_us=score.step_time_us,
+                fits=score.fits,
+                schedule=label,
+                placement=candidate.family,
+                peak_memory_bytes=peak,
+                reason="" if score.fits else f"{peak} bytes at peak on some rank, over the cap",
+            )
+        )
+        if progress is not None:
+            progress(f"pp={pp} dp={dp} m={m}: {label}, step {score.step_time_us / 1e3:.1f} ms, fits={score.fits}")
+        if best is None or score < best[0]:
+            best = (score, ev, candidate, plan, label)
+    if best is None or not best[0].fits:
+        closest = "" if best is None else f" (closest: pp={best[1].num_ranks}, {best[0].excess_bytes} bytes over)"
+        raise ValueError(
+            f"no pp x dp x m for {config.devices} devices and global batch {config.global_batch} has a plan within "
+            f"the memory cap of {config.memory_cap_bytes} bytes{closest}: raise the cap, shrink the micro-batch, "
+            "or give a global batch that more pipeline degrees divide"
+        )
+    score, ev, candidate, plan, label = best
+    bounds = candidate.bounds
+    if config.refine_s > 0:
+        bounds, score, simulations = _refine(ev, candidate, plan, score, config.refine_s, simulations)
+    final = _finish(ev, plan, bounds, label)
+    estimate = simulate(final, ev.cost_model(bounds)).estimate  # verifies and enforces the cap
+    baseline = _baseline(ev, len(layers))
+    simulations += 2
+    sizes = [bounds[s + 1] - bounds[s] for s in range(len(bounds) - 1)]
+    return MeshTuneResult(
+        plan=final,
+        estimate=estimate,
+        baseline=baseline,
+        pp=ev.num_ranks,
+        dp=ev.dp,
+        num_microbatches=ev.m,
+        microbatch_size=ev.microbatch_size,
+        description=f"{label}, layers per stage {sizes}",
+        candidates=tuple(candidates),
+        simulations=simulations,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _search_degree(
+    ev: _MeshEvaluator, config: MeshTuneConfig, num_layers: int
+) -> tuple[Score, Candidate, plan_pb2.Plan, str] | None:
+    """The best (score, candidate, plan, label) for one (pp, dp, m): every library schedule under every
+    collective placement on a partition balanced by each layer's m x (F + I + W) plus its all-gather and
+    reduce-scatter time; the family's best order also on equal layer counts; and the baseline (1F1B,
+    equal counts, collectives prefetched), so the result is never slower than the baseline when both fit."""
+    link = ev.collectives.data_parallel_link(0)
+    share = (ev.dp - 1) / ev.dp / link.bandwidth_bytes_per_second * 1e6
+    costs = ev.layers.costs
+    weights = [
+        ev.m * ev.layers.time_us(i) + share * (costs[i].parameter_bytes + costs[i].gradient_bytes)
+        for i in range(num_layers)
+    ]
+    found: tuple[Score, Candidate, plan_pb2.Plan, str] | None = None
+
+    def consider(score: Score, candidate: Candidate, plan: plan_pb2.Plan, label: str) -> None:
+        nonlocal found
+        if found is None or score < found[0]:
+            found = (score, candidate, plan, label)
+
+    prefetch = CollectivePlacement(prefetch=True, reshard=False)
+    baseline = Candidate(
+        bounds=equal_bounds(num_layers, ev.num_ranks),
+        family="linear",
+        placement=placement_for("linear", ev.num_ranks),
+        schedule="1f1b",
+    )
+    plan = ev.mesh_plan(baseline, prefetch)
+    assert plan is not None
+    consider(ev.score_plan(plan, ev.cost_model(baseline.bounds)), baseline, plan, _label(baseline, prefetch))
+    for family in config.families:
+        placement = placement_for(family, ev.num_ranks)
+        if len(placement) > num_layers:
+            continue
+        bounds = balanced_bounds(weights, len(placement))
+        model = ev.cost_model(bounds)
+        best: tuple[Score, Candidate, plan_pb2.Plan, str] | None = None
+        for name in LIBRARY[family]:
+            candidate = Candidate(bounds=bounds, family=family, placement=placement, schedule=name)
+            for policy in config.placements:
+                plan = ev.mesh_plan(candidate, policy)
+                if plan is None:
+                    break
+                score = ev.score_plan(plan, model)
+                if best is None or score < best[0]:
+                    best = (score, candidate, plan, _label(candidate, policy))
+                if score.fits:
+                    break  # later policies only add RESHARDs: no faster
+        if best is None:
+            continue
+        consider(*best)
+        equal = replace(best[1], bounds=equal_bounds(num_layers, len(placement)))
+        if equal.bounds != bounds:
+            consider(ev.score_plan(best[2], ev.cost_model(equal.bounds)), equal, best[2], best[3])
+    return found
+
+
+def _label(candidate: Candidate, policy: CollectivePlacement) -> str:
+    return f"{candidate.schedule} on {candidate.family} placement, collectives {policy.name}"
+
+
+def scale_microbatches(profile: profile_pb2.Profile, factor: int) -> profile_pb2.Profile:
+    """``profile`` for micro-batches ``factor`` times larger: per-micro-batch times and bytes x factor."""
+    if factor == 1:
+        return profile
+    scaled = profile_pb2.Profile()
+    scaled.CopyFrom(profile)
+    scaled.microbatch_size = max(1, profile.microbatch_size) * factor
+    for layer in scaled.layers:
+        layer.forward_duration_us *= factor
+        layer.backward_input_duration_us *= factor
+        layer.backward_weight_duration_us *= factor
+        if layer.HasField("full_backward_duration_us"):
+            layer.full_backward_duration_us *= factor
+        layer.activation_saved_bytes *= factor
+        layer.activation_freed_by_backward_input_bytes *= factor
+        layer.activation_freed_by_backward_weight_bytes *= factor
+        layer.all_to_all_bytes *= factor
+        for tensor in layer.output_tensors:
+            tensor.size_bytes *= factor
+            if tensor.shape:
+                tensor.shape[0] *= factor
+    del scaled.fused[:]  # measured at the old size
+    return scaled
+
+
+def _refine(
+    ev: _MeshEvaluator, candidate: Candidate, plan: plan_pb2.Plan, score: Score, seconds: float, simulations: int
+) -> tuple[tuple[int, ...], Score, int]:
+    """Boundary moves with the action order fixed (the co-optimizer's partition phase)."""
+    before = ev.evaluations
+    search = _Search(
+        ev, TuneConfig(num_ranks=ev.num_ranks, num_microbatches=ev.m, kicks=0, time_budget_s=seconds), None
+    )
+    search.placement = candidate.placement
+    bounds, found = search.descend(plan, candidate.bounds, score)
+    return bounds, found, simulations + ev.evaluations - before
+
+
+def _finish(ev: _MeshEvaluator, skeleton: plan_pb2.Plan, bounds: Sequence[int], label: str) -> plan_pb2.Plan:
+    plan = plan_pb2.Plan()
+    plan.CopyFrom(skeleton)
+    schedule = label.split(" on ")[0]
+    plan.name = f"tuned-{schedule}-pp{ev.num_ranks}-dp{ev.dp}-m{ev.m}"
+    for s, stage in enumerate(plan.stages):
+        del stage.layer_names[:]
+        stage.layer_names.extend(ev.layers.names[bounds[s] : bounds[s + 1]])
+    plan.labels["schedule"] = schedule
+    validate_plan(plan)
+    return plan
+
+
+def _baseline(ev: _MeshEvaluator, num_layers: int) -> Estimate:
+    """1F1B, equal layer counts, collectives prefetched, on the same mesh; memory reported, not enforced."""
+    candidate = Candidate(
+        bounds=equal_bounds(num_layers, ev.num_ranks),
+        family="linear",
+        placement=placement_for("linear", ev.num_ranks),
+        schedule="1f1b",
+    )
+    plan = ev.mesh_plan(candidate, CollectivePlacement(prefetch=True, reshard=False))
+    assert plan is not None
+    plan.name = f"1f1b-equal-pp{ev.num_ranks}-dp{ev.dp}-m{ev.m}"
+    config = SimulationConfig(enforce_memory_caps=False, critical_path=False)
+    return simulate(plan, ev.cost_model(candidate.bounds), config=config).estimate
