@@ -9,6 +9,7 @@ the nodes that did ACK are told to stop.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
@@ -84,6 +85,7 @@ class RunPusher:
                 resume=bool(run.resumes and run.last_checkpoint_step),
                 seed=submit.seed,
             )
+            sent_at = time.perf_counter()
             try:
                 response = self.stub(addresses[node_id]).PushPlan(request, timeout=RPC_DEADLINE_S)
             except grpc.RpcError as exc:
@@ -96,7 +98,14 @@ class RunPusher:
             accepted.append(node_id)
             if node_id == first:
                 port = response.rendezvous_port
-            self._log.info("pushed", run=run.run_id, node=node_id, version=run.plan_version, ranks=placement[node_id])
+            self._log.info(
+                "pushed",
+                run=run.run_id,
+                node=node_id,
+                version=run.plan_version,
+                ranks=placement[node_id],
+                latency_ms=round((time.perf_counter() - sent_at) * 1e3, 3),
+            )
         for node_id in order:
             self._follow(run.run_id, node_id, addresses[node_id])
         return ""
