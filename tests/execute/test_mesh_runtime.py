@@ -37,7 +37,7 @@ from octopipe.execute.runtime.mesh import MeshRank, replica_batch
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate.ir import PlanError, parse_action, rank_actions
 from octopipe.transform import StageExecutable, compile_stage
-from octopipe.tune import equal_partition, interleaved_1f1b, one_f_one_b, zb_h1
+from octopipe.tune import equal_partition, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 
 DP = 2
 M = 4
@@ -96,6 +96,24 @@ def test_moe_pp2_dp2_ep2_equals_the_reference() -> None:
     runs = run_local_many(plans, steps=3, keep_grads=True, keep_params=True, timeout_s=180, pin_cores=False)
     assert_matches_reference(plans, runs)
     assert any(".ffn.w1" in name for name in runs[0].grads)
+
+
+@pytest.mark.slow
+def test_moe_pp1_dp4_ep2_sums_expert_gradients_over_the_ep_groups() -> None:
+    """ep < dp: two ep groups hold the same experts; REDUCE_GRAD all-reduces their gradients (then / dp)."""
+    m = 2
+    reference = workload_reference("moe-ep-4", tiny=True, sequence=8, global_batch=4 * m)
+    plan = gpipe(1, m, layer_names=[build_model(reference).model.pipeline_layers()])  # type: ignore[operator]
+    plan.model.CopyFrom(reference)
+    plan.mesh.dp, plan.mesh.ep = 4, 2
+    plan = add_fsdp_actions(plan)
+    (run,) = run_local_many([plan], steps=2, keep_grads=True, keep_params=True, timeout_s=180, pin_cores=False)
+    ref = reference_run(plan.model, num_microbatches=4 * m, steps=2)
+    assert run.losses == pytest.approx(ref.losses, rel=1e-6)
+    for what, expected, actual in (("grad", ref.grads, run.grads), ("param", ref.params, run.params)):
+        assert sorted(actual) == sorted(expected)
+        for name, value in expected.items():
+            torch.testing.assert_close(actual[name], value, msg=lambda m, n=name, w=what: f"{w} {n}: {m}")  # type: ignore[misc]
 
 
 @pytest.mark.slow
