@@ -1,9 +1,17 @@
-"""``octopipe tune``: search partition x placement x schedule for a Profile; write the plan and predicted metrics."""
+"""``octopipe tune``: search partition x placement x schedule for a Profile; write the plan and predicted metrics.
+
+Two modes. ``--ranks R --microbatches M``: the co-optimizer for one pipeline
+(``octopipe.tune.tune``). ``--devices D --global-batch G --memory-cap 80GB``:
+choose the mesh too, pp x dp (and the micro-batch count), with FSDP
+collectives (``octopipe.tune.tune_mesh``), timed from the Profile's
+collective costs or ``--collective-bandwidth`` / ``--collective-latency-us``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,21 +20,52 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import Estimate
+from octopipe.simulate import Estimate, GroupLinks, Link
 from octopipe.simulate.ir import plan_to_text, save_plan
-from octopipe.tune import FAMILIES, TuneConfig, TuneResult, tune
+from octopipe.tune import FAMILIES, MeshTuneConfig, MeshTuneResult, TuneConfig, TuneResult, tune, tune_mesh
 
-__all__ = ["add_parser", "load_profile", "run"]
+__all__ = ["add_parser", "load_profile", "parse_bytes", "run"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes from ``1073741824``, ``80GB`` (10^9), ``80GiB`` (2^30), ``50GB/s`` (a rate, per second)."""
+    match = _SIZE.fullmatch(text.removesuffix("/s"))
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give bytes, or a number with B, KB, MB, GB, TB (powers of 1000) "
+            "or KiB, MiB, GiB, TiB (powers of 1024), e.g. 80GB"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser("tune", help="tune partition, placement and schedule for a Profile; write the plan")
     parser.add_argument("profile", type=Path, help="a Profile (.binpb/.pb or .json), e.g. from `octopipe profile`")
-    parser.add_argument("--ranks", type=int, required=True, help="pipeline ranks")
-    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
+    parser.add_argument("--ranks", type=int, help="pipeline ranks (one pipeline; or give --devices)")
+    parser.add_argument("--microbatches", type=int, help="micro-batches per step (with --ranks)")
     parser.add_argument(
-        "--memory-cap", type=int, help="bytes per rank (default: the peak of 1F1B on equal layer counts)"
+        "--memory-cap",
+        type=parse_bytes,
+        help="per rank or device, e.g. 80GB or 80GiB (default with --ranks: the peak of 1F1B on equal layer counts)",
     )
+    mesh = parser.add_argument_group("mesh mode (choose pp x dp x micro-batches for a number of devices)")
+    mesh.add_argument("--devices", type=int, help="accelerators in all (pp x dp)")
+    mesh.add_argument("--global-batch", type=int, help="samples per optimizer step over all replicas")
+    mesh.add_argument(
+        "--collective-bandwidth",
+        type=parse_bytes,
+        help="data-parallel ring bandwidth per rank, e.g. 50GB/s (default: the profile's collectives)",
+    )
+    mesh.add_argument("--collective-latency-us", type=float, default=5.0, help="per ring hop (default 5)")
+    mesh.add_argument("--p2p-bandwidth", type=parse_bytes, help="pipeline sends, e.g. 50GB/s (default: profile links)")
+    mesh.add_argument("--p2p-latency-us", type=float, default=5.0, help="pipeline sends (default 5)")
+    mesh.add_argument("--pipeline-degrees", help="pp values to try, e.g. 4,8,16 (default: every divisor)")
+    mesh.add_argument("--max-microbatches", type=int, default=64, help="per replica (default 64)")
     parser.add_argument("--families", default=",".join(FAMILIES), help=f"placements to search ({', '.join(FAMILIES)})")
     parser.add_argument("--time-budget", type=float, default=30.0, help="seconds (default 30)")
     parser.add_argument("--max-evaluations", type=int, default=3000, help="simulations at most (default 3000)")
@@ -58,6 +97,12 @@ def load_profile(path: Path) -> profile_pb2.Profile:
 def run(args: argparse.Namespace) -> int:
     if args.out.suffix not in (".binpb", ".pb", ".json"):
         raise ValueError(f"--out {args.out}: write the plan as .binpb, .pb or .json (a .txt is written beside it)")
+    if args.devices is not None:
+        return _run_mesh(args)
+    if args.ranks is None or args.microbatches is None:
+        raise ValueError(
+            "give --ranks and --microbatches (one pipeline), or --devices, --global-batch and --memory-cap"
+        )
     profile = load_profile(args.profile)
     config = TuneConfig(
         num_ranks=args.ranks,
@@ -79,6 +124,120 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_tables(result, args.out, text_path)
     return 0
+
+
+def _run_mesh(args: argparse.Namespace) -> int:
+    if args.ranks is not None or args.microbatches is not None:
+        raise ValueError("--devices chooses the pipeline ranks and micro-batches: drop --ranks and --microbatches")
+    if args.global_batch is None or args.memory_cap is None:
+        raise ValueError("--devices needs --global-batch (samples per step) and --memory-cap (per device, e.g. 80GB)")
+    profile = load_profile(args.profile)
+    links = None
+    if args.collective_bandwidth is not None:
+        links = GroupLinks(
+            data_parallel=Link(
+                latency_us=args.collective_latency_us, bandwidth_bytes_per_second=args.collective_bandwidth
+            )
+        )
+    p2p = None
+    if args.p2p_bandwidth is not None:
+        p2p = Link(latency_us=args.p2p_latency_us, bandwidth_bytes_per_second=args.p2p_bandwidth)
+    elif not profile.links:
+        raise ValueError("the profile has no links between ranks: give --p2p-bandwidth (e.g. 50GB/s)")
+    degrees = None
+    if args.pipeline_degrees:
+        try:
+            degrees = tuple(int(d) for d in args.pipeline_degrees.split(","))
+        except ValueError:
+            raise ValueError(f"--pipeline-degrees {args.pipeline_degrees!r}: give integers, e.g. 4,8,16") from None
+    config = MeshTuneConfig(
+        devices=args.devices,
+        global_batch=args.global_batch,
+        memory_cap_bytes=args.memory_cap,
+        collectives=links,
+        p2p_link=p2p,
+        pipeline_degrees=degrees,
+        families=tuple(f.strip() for f in args.families.split(",") if f.strip()),
+        max_microbatches=args.max_microbatches,
+    )
+    result = tune_mesh(profile, config)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save_plan(result.plan, args.out)
+    text_path = args.out.with_suffix(".txt")
+    text_path.write_text(plan_to_text(result.plan))
+    if args.json:
+        sys.stdout.write(json.dumps(_mesh_json(result, args.out, text_path), indent=2) + "\n")
+    else:
+        _print_mesh(result, args.out, text_path)
+    return 0
+
+
+def _mesh_json(result: MeshTuneResult, plan_path: Path, text_path: Path) -> dict[str, Any]:
+    return {
+        "plan": str(plan_path),
+        "plan_text": str(text_path),
+        "pp": result.pp,
+        "dp": result.dp,
+        "microbatches": result.num_microbatches,
+        "microbatch_size": result.microbatch_size,
+        "description": result.description,
+        "tuned": _estimate_json(result.estimate),
+        "baseline_1f1b_same_mesh": _estimate_json(result.baseline),
+        "speedup_over_1f1b_same_mesh": result.speedup,
+        "simulations": result.simulations,
+        "seconds": result.seconds,
+        "candidates": [
+            {
+                "pp": c.pp,
+                "dp": c.dp,
+                "microbatches": c.num_microbatches,
+                "microbatch_size": c.microbatch_size,
+                "step_time_us": c.step_time_us,
+                "fits": c.fits,
+                "schedule": c.schedule,
+                "peak_memory_bytes": c.peak_memory_bytes,
+                "reason": c.reason,
+            }
+            for c in result.candidates
+        ],
+    }
+
+
+def _print_mesh(result: MeshTuneResult, plan_path: Path, text_path: Path) -> None:
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    console = Console()
+    title = (
+        f"chosen: pp {result.pp} x dp {result.dp}, {result.num_microbatches} micro-batches of "
+        f"{result.microbatch_size} per replica ({result.description})"
+    )
+    table = Table(title=title)
+    for column in ("plan", "step ms", "samples/s", "bubble", "peak memory GB (max rank)", "within cap"):
+        table.add_column(column, justify="right" if column != "plan" else "left")
+    for name, estimate in (("1F1B, equal layer counts, same mesh", result.baseline), ("tuned", result.estimate)):
+        table.add_row(
+            name,
+            f"{estimate.step_time_us / 1e3:.1f}",
+            f"{estimate.samples_per_second:.2f}",
+            f"{estimate.bubble_ratio:.1%}",
+            f"{max(r.peak_memory_bytes for r in estimate.ranks) / 1e9:.2f}",
+            "yes" if estimate.fits else "no",
+        )
+    console.print(table)
+    tried = Table(title="every pp x dp tried (its best plan)")
+    for column in ("pp", "dp", "m", "step ms", "fits", "schedule / why not"):
+        tried.add_column(column)
+    for c in result.candidates:
+        step = f"{c.step_time_us / 1e3:.1f}" if c.num_microbatches else "-"
+        tried.add_row(
+            str(c.pp), str(c.dp), str(c.num_microbatches), step, "yes" if c.fits else "no", c.schedule or c.reason
+        )
+    console.print(tried)
+    console.print(
+        f"speedup over 1F1B on the same mesh: {result.speedup:.3f}x; {result.simulations} simulations in "
+        f"{result.seconds:.1f} s\nwritten: {plan_path} and {text_path}"
+    )
 
 
 def _tune_with_progress(profile: profile_pb2.Profile, config: TuneConfig) -> TuneResult:
