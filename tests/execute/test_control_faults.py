@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from octopipe.execute.control import LocalCluster, process_alive
 from octopipe.execute.runtime.checkpoint import read_checkpoint
 from octopipe.node.v1 import node_pb2
 from octopipe.tune import one_f_one_b
-from tests.execute.control_cluster import alive, cluster, llama_plan, node_process, rank_pids
+from tests.execute.control_cluster import llama_plan
 
 pytestmark = pytest.mark.slow
 
@@ -34,9 +35,9 @@ def assert_same_weights(expected: dict[str, torch.Tensor], actual: dict[str, tor
 
 def test_a_killed_daemon_fails_the_run_and_resume_finishes_it_bitwise(tmp_path: Path) -> None:
     plan = llama_plan(2, 4)
-    with cluster(tmp_path, nodes=0) as running, running.client() as client:
-        first = node_process(running, "node0")
-        second = node_process(running, "node1")
+    with LocalCluster(tmp_path) as running, running.client() as client:
+        first = running.node_process("node0")
+        second = running.node_process("node1")
         try:
             # the uninterrupted run
             clean = client.submit(plan, steps=STEPS, checkpoint_every=EVERY, run_id="clean")
@@ -44,7 +45,7 @@ def test_a_killed_daemon_fails_the_run_and_resume_finishes_it_bitwise(tmp_path: 
             # the same run, node1 killed after the first checkpoint
             run_id = client.submit(plan, steps=STEPS, checkpoint_every=EVERY, run_id="killed")
             wait_for_step(client, run_id, EVERY + 1)
-            pids = rank_pids(running, "node0") + rank_pids(running, "node1")
+            pids = running.rank_pids("node0") + running.rank_pids("node1")
             killed_at = time.monotonic()
             second.kill()
             run = client.wait(run_id, timeout_s=60)
@@ -54,9 +55,9 @@ def test_a_killed_daemon_fails_the_run_and_resume_finishes_it_bitwise(tmp_path: 
             timeout = running.coordinator.config.heartbeat_timeout_s
             assert detected < timeout + 2.0, detected
             bound = timeout + 2.0 + 3.0 + 2.0  # detection + stop grace + slack
-            while any(alive(pid) for pid in pids) and time.monotonic() - killed_at < bound:
+            while any(process_alive(pid) for pid in pids) and time.monotonic() - killed_at < bound:
                 time.sleep(0.1)
-            assert not [pid for pid in pids if alive(pid)], "ranks left running after the stop"
+            assert not [pid for pid in pids if process_alive(pid)], "ranks left running after the stop"
             assert run.last_checkpoint_step >= EVERY
             # resume on the surviving node alone, with the plan re-made for one rank
             one_rank = llama_plan(1, 4, schedule=one_f_one_b)

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from octopipe.coordinator.v1 import coordinator_pb2
-from octopipe.execute.control import check_plan
+from octopipe.execute.control import LocalCluster, check_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import simulate
@@ -136,7 +136,6 @@ def test_random_profiles_simulate_or_are_refused(profile: profile_pb2.Profile, s
 
 @pytest.mark.slow
 def test_the_coordinator_answers_every_fuzzed_submission(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from tests.execute.control_cluster import cluster
 
     samples: list[plan_pb2.Plan] = []
 
@@ -146,7 +145,7 @@ def test_the_coordinator_answers_every_fuzzed_submission(tmp_path) -> None:  # t
         samples.append(plan)
 
     collect()
-    with cluster(tmp_path, nodes=0) as running, running.client() as client:
+    with LocalCluster(tmp_path) as running, running.client() as client:
         for index, plan in enumerate(samples):
             stub_request = coordinator_pb2.SubmitPlanRequest(plan=plan, num_steps=1, run_id=f"fuzz{index}")
             try:

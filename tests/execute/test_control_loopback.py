@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from octopipe.execute.control import LocalCluster
 from octopipe.execute.runtime import run_local
 from octopipe.node.v1 import node_pb2
-from tests.execute.control_cluster import cluster, llama_plan
+from tests.execute.control_cluster import llama_plan
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +17,9 @@ pytestmark = pytest.mark.slow
 def test_two_daemons_run_a_plan_like_the_local_launcher(tmp_path: Path) -> None:
     plan = llama_plan()
     expected = run_local(plan, steps=3, pin_cores=False).losses
-    with cluster(tmp_path) as running, running.client() as client:
+    with LocalCluster(tmp_path) as running, running.client() as client:
+        running.add_node("node0")
+        running.add_node("node1")
         run_id = client.submit(plan, steps=3)
         run = client.wait(run_id, timeout_s=120)
         assert run.state == node_pb2.RUN_STATE_DONE, run.error

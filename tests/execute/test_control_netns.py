@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from octopipe.execute.control import Coordinator, make_certs
+from octopipe.execute.control import LocalCluster, process_alive
 from octopipe.execute.runtime import run_local
 from octopipe.node.v1 import node_pb2
 from tests.execute import netns
-from tests.execute.control_cluster import Cluster, alive, coordinator_config, llama_plan, node_process, rank_pids
+from tests.execute.control_cluster import llama_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(netns.unavailable()), reason=netns.unavailable() or "ok")]
 
@@ -21,13 +21,12 @@ def test_two_hosts_run_a_plan_and_a_cut_link_stops_everything(tmp_path: Path) ->
     plan = llama_plan(2, 4)
     expected = run_local(plan, steps=2, pin_cores=False).losses
     with netns.hosts(2) as (gateway, hosts):
-        make_certs(tmp_path / "certs", hosts=[gateway, *(h.address for h in hosts), "127.0.0.1"])
-        coordinator = Coordinator(coordinator_config(tmp_path, listen_host=gateway)).start()
-        running = Cluster(root=tmp_path, coordinator=coordinator)
-        processes = []
+        addresses = [gateway, *(h.address for h in hosts)]
+        running = LocalCluster(tmp_path, listen_host=gateway, hosts=addresses)
+        coordinator = running.coordinator
         try:
             for index, host in enumerate(hosts):
-                processes.append(node_process(running, f"host{index}", prefix=host.prefix, listen=f"{host.address}:0"))
+                running.node_process(f"host{index}", prefix=host.prefix, listen=f"{host.address}:0")
             with running.client() as client:
                 run_id = client.submit(plan, steps=2)
                 run = client.wait(run_id, timeout_s=180)
@@ -40,7 +39,7 @@ def test_two_hosts_run_a_plan_and_a_cut_link_stops_everything(tmp_path: Path) ->
                 for run in client.watch(long_run, timeout_s=120):
                     if run.completed_steps >= 1:
                         break
-                pids = rank_pids(running, "host0") + rank_pids(running, "host1")
+                pids = running.rank_pids("host0") + running.rank_pids("host1")
                 cut_at = time.monotonic()
                 netns.cut(hosts[1])
                 run = client.wait(long_run, timeout_s=60)
@@ -50,11 +49,8 @@ def test_two_hosts_run_a_plan_and_a_cut_link_stops_everything(tmp_path: Path) ->
             assert detected < coordinator.config.heartbeat_timeout_s + 2.0, detected
             # host0's ranks are stopped by the coordinator; host1's by its own daemon, which fences itself
             bound = 4.0 + 3.0 + 5.0  # fence-after + stop grace + slack
-            while any(alive(pid) for pid in pids) and time.monotonic() - cut_at < bound:
+            while any(process_alive(pid) for pid in pids) and time.monotonic() - cut_at < bound:
                 time.sleep(0.1)
-            assert not [pid for pid in pids if alive(pid)], "ranks left running after the cut"
+            assert not [pid for pid in pids if process_alive(pid)], "ranks left running after the cut"
         finally:
-            for process in processes:
-                process.kill()
-                process.wait(timeout=10)
-            coordinator.stop()
+            running.stop()

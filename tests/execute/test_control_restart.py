@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from octopipe.execute.control import Coordinator, NodeConfig, NodeDaemon, make_certs
+from octopipe.execute.control import Coordinator, CoordinatorConfig, NodeConfig, NodeDaemon, make_certs
 from octopipe.execute.control.client import ControlClient
 from octopipe.execute.linkprobe import free_port
 from octopipe.node.v1 import node_pb2
-from tests.execute.control_cluster import coordinator_config, llama_plan
+from tests.execute.control_cluster import llama_plan
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,13 @@ pytestmark = pytest.mark.slow
 def test_a_restarted_coordinator_keeps_its_runs_and_reattaches_a_running_one(tmp_path: Path) -> None:
     make_certs(tmp_path / "certs")
     port = free_port()
-    config = coordinator_config(tmp_path, listen_port=port)
+    config = CoordinatorConfig(
+        certs=tmp_path / "certs",
+        state_dir=tmp_path / "coordinator",
+        listen_port=port,
+        heartbeat_interval_s=0.25,
+        heartbeat_timeout_s=1.5,
+    )
     coordinator = Coordinator(config).start()
     node = NodeDaemon(
         NodeConfig(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -9,36 +10,38 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from octopipe.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
-from octopipe.execute.control import ControlClient, ControlError, make_certs
+from octopipe.execute.control import ControlClient, ControlError, LocalCluster, make_certs
 from octopipe.execute.control.security import MAX_MESSAGE_BYTES, CertPaths, channel_options, secure_channel
 from octopipe.node.v1 import node_pb2, node_pb2_grpc
 from octopipe.plan.v1 import plan_pb2
-from tests.execute.control_cluster import Cluster, cluster, llama_plan
+from tests.execute.control_cluster import llama_plan
 
 
 @pytest.fixture(scope="module")
-def running(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     root = tmp_path_factory.mktemp("security")
-    with cluster(root, nodes=1) as up:
-        yield up  # type: ignore[misc]
+    with LocalCluster(root) as up:
+        up.add_node("node0")
+        yield up
 
 
 def stub(
-    running: Cluster, identity: str = "admin", certs: Path | None = None
+    running: LocalCluster, identity: str = "admin", certs: Path | None = None
 ) -> coordinator_pb2_grpc.CoordinatorServiceStub:
     channel = secure_channel(running.coordinator.address, CertPaths(certs or running.certs, identity))
     return coordinator_pb2_grpc.CoordinatorServiceStub(channel)
 
 
-def still_serving(running: Cluster) -> None:
+def still_serving(running: LocalCluster) -> None:
     with running.client() as client:
         client.runs()  # an authorized call still works
     channel = secure_channel(running.coordinator.address, CertPaths(running.certs, "admin"))
-    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    check = health_pb2_grpc.HealthStub(channel).Check  # type: ignore[attr-defined]
+    health = check(health_pb2.HealthCheckRequest(), timeout=5)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_a_client_without_a_certificate_is_refused_at_the_handshake(running: Cluster) -> None:
+def test_a_client_without_a_certificate_is_refused_at_the_handshake(running: LocalCluster) -> None:
     ca = (running.certs / "ca.pem").read_bytes()
     channel = grpc.secure_channel(running.coordinator.address, grpc.ssl_channel_credentials(root_certificates=ca))
     with pytest.raises(grpc.RpcError) as caught:
@@ -47,7 +50,7 @@ def test_a_client_without_a_certificate_is_refused_at_the_handshake(running: Clu
     still_serving(running)
 
 
-def test_a_plaintext_client_is_refused(running: Cluster) -> None:
+def test_a_plaintext_client_is_refused(running: LocalCluster) -> None:
     channel = grpc.insecure_channel(running.coordinator.address)
     with pytest.raises(grpc.RpcError) as caught:
         coordinator_pb2_grpc.CoordinatorServiceStub(channel).ListRuns(coordinator_pb2.ListRunsRequest(), timeout=5)
@@ -55,7 +58,7 @@ def test_a_plaintext_client_is_refused(running: Cluster) -> None:
     still_serving(running)
 
 
-def test_a_certificate_from_another_ca_is_refused(running: Cluster, tmp_path: Path) -> None:
+def test_a_certificate_from_another_ca_is_refused(running: LocalCluster, tmp_path: Path) -> None:
     make_certs(tmp_path / "other")
     # the client trusts the right CA for the server, but presents a certificate the cluster's CA did not sign
     other = CertPaths(tmp_path / "other", "admin")
@@ -74,7 +77,7 @@ def test_a_certificate_from_another_ca_is_refused(running: Cluster, tmp_path: Pa
     still_serving(running)
 
 
-def test_a_node_certificate_cannot_submit_and_an_admin_cannot_register(running: Cluster) -> None:
+def test_a_node_certificate_cannot_submit_and_an_admin_cannot_register(running: LocalCluster) -> None:
     with pytest.raises(grpc.RpcError) as caught:
         stub(running, "node").SubmitPlan(coordinator_pb2.SubmitPlanRequest(plan=llama_plan(), num_steps=1), timeout=5)
     assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -106,7 +109,7 @@ def test_a_node_certificate_cannot_submit_and_an_admin_cannot_register(running: 
         (lambda p: setattr(p.mesh, "ep", 3), "does not divide"),
     ],
 )
-def test_bad_plans_are_refused_with_the_reason(running: Cluster, change, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_plans_are_refused_with_the_reason(running: LocalCluster, change, message: str) -> None:  # type: ignore[no-untyped-def]
     plan = llama_plan()
     change(plan)
     with running.client() as client, pytest.raises(ControlError) as caught:
@@ -116,7 +119,7 @@ def test_bad_plans_are_refused_with_the_reason(running: Cluster, change, message
     still_serving(running)
 
 
-def test_oversized_and_malformed_messages_are_refused(running: Cluster) -> None:
+def test_oversized_and_malformed_messages_are_refused(running: LocalCluster) -> None:
     channel = secure_channel(running.coordinator.address, CertPaths(running.certs, "admin"))
     submit = channel.unary_unary(
         "/octopipe.coordinator.v1.CoordinatorService/SubmitPlan",
@@ -143,7 +146,7 @@ def test_oversized_and_malformed_messages_are_refused(running: Cluster) -> None:
     still_serving(running)
 
 
-def test_a_nack_fails_the_run_with_the_nodes_reason(running: Cluster) -> None:
+def test_a_nack_fails_the_run_with_the_nodes_reason(running: LocalCluster) -> None:
     plan = llama_plan(1, 2)
     plan.model.source = "somewhere.else:build"  # the node does not allow this model source
     plan.model.name = "custom"
@@ -155,7 +158,7 @@ def test_a_nack_fails_the_run_with_the_nodes_reason(running: Cluster) -> None:
     still_serving(running)
 
 
-def test_re_pushes_with_the_same_nonce_are_idempotent_and_old_versions_refused(running: Cluster) -> None:
+def test_re_pushes_with_the_same_nonce_are_idempotent_and_old_versions_refused(running: LocalCluster) -> None:
     node = running.nodes[0]
     channel = secure_channel(node.address, CertPaths(running.certs, "node"))
     node_stub = node_pb2_grpc.NodeServiceStub(channel)
