@@ -54,7 +54,7 @@ def test_readme_run_command(tmp_path: Path) -> None:
     # printed: the plan, predicted vs measured, the speed-up
     stdout = result.stdout
     assert "plan: " in stdout and "stage" in stdout and "rank" in stdout
-    assert "step ms predicted" in stdout and "step ms measured" in stdout and "1F1B, equal layer counts" in stdout
+    assert "step ms predicted" in stdout and "step ms measured" in stdout and "1F1B equal" in stdout
     match = SPEEDUP.search(" ".join(stdout.split()))
     assert match, stdout[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -62,6 +62,9 @@ def test_readme_run_command(tmp_path: Path) -> None:
     assert f"{speedup['measured']:.2f}" == match.group(1)
     tuned, baseline = summary["comparison"]["tuned"], summary["comparison"]["baseline_1f1b_equal"]
     assert speedup["measured"] == pytest.approx(baseline["measured_step_ms"] / tuned["measured_step_ms"])
+    predicted = summary["predicted"]  # the tuner's own estimates: the demo predicts what `octopipe tune` does
+    assert tuned["predicted_step_ms"] == pytest.approx(predicted["tuned"]["step_time_us"] / 1e3)
+    assert baseline["predicted_step_ms"] == pytest.approx(predicted["baseline_1f1b_equal"]["step_time_us"] / 1e3)
     assert summary["losses_equal"], "the tuned plan and 1F1B must give the same losses (same model, same data)"
     assert all(m > 0 for m in tuned["measured_peak_activation_bytes"])
 

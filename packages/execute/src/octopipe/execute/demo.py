@@ -209,8 +209,11 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
         )
         step.done(f"ran {len(results)} launches of {config.steps} steps")
 
-    tuned_cmp = pipeline.compare(tuned.plan, profile, results[0::2])
-    base_cmp = pipeline.compare(baseline, profile, results[1::2])
+    # predicted with the tuner's costs (a full backward B costs I + W), so the predicted speed-up is tune's
+    tuned_cmp = pipeline.compare(
+        tuned.plan, profile, results[0::2], costs=pipeline.split_backward_costs(tuned.plan, profile)
+    )
+    base_cmp = pipeline.compare(baseline, profile, results[1::2], costs=pipeline.split_backward_costs(baseline, profile))
     measured_speedup = pipeline.speedup(base_cmp.measured_step_us, tuned_cmp.measured_step_us)
     predicted_speedup = pipeline.speedup(base_cmp.predicted_step_us, tuned_cmp.predicted_step_us)
 
@@ -291,7 +294,7 @@ def _print_report(
     summary: dict[str, Any],
     files: dict[str, Path],
 ) -> None:
-    from octopipe.simulate.ir import format_grid  # noqa: PLC0415
+    from octopipe.simulate.ir import format_grid, rank_actions  # noqa: PLC0415
 
     stages = Table(title=f"plan: {description}")
     for column in ("stage", "rank", "layers", "predicted F+B+W per micro-batch ms"):
@@ -308,12 +311,18 @@ def _print_report(
         stages.add_row(str(stage.stage_index), str(stage.rank), shown, f"{busy / 1e3:.2f}")
     console.print(stages)
     console.print("schedule: compute actions per rank (torch.distributed.pipelining text)", highlight=False)
-    console.print(format_grid(plan, compute_only=True), highlight=False, markup=False, soft_wrap=True)
+    grid = format_grid(plan, compute_only=True)
+    if max(len(line) for line in grid.splitlines()) <= console.width:
+        console.print(grid, highlight=False, markup=False, end="")
+    else:  # too wide for the terminal: one wrapped line per rank
+        for rank, actions in sorted(rank_actions(plan).items()):
+            text = " ".join(str(a) for a in actions if a.kind.is_compute)
+            console.print(f"rank {rank}: {text}", highlight=False, markup=False)
 
     table = Table(title="predicted (simulator, from the profile) vs measured (median step after warm-up)")
     for column in ("plan", "step ms predicted", "step ms measured", "replayed", "activations predicted", "measured"):
         table.add_column(column, justify="left" if column == "plan" else "right")
-    for name, cmp in (("tuned", tuned), ("1F1B, equal layer counts", base)):
+    for name, cmp in (("tuned", tuned), ("1F1B equal", base)):
         table.add_row(
             name,
             f"{cmp.predicted_step_us / 1e3:.1f}",

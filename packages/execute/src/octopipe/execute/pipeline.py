@@ -35,7 +35,7 @@ from octopipe.execute.runtime import (
 )
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import Simulation, durations_from_timelines, simulate
+from octopipe.simulate import CostModel, Simulation, durations_from_timelines, simulate
 from octopipe.transform import ProfilerConfig, profile_layers
 from octopipe.tune import TuneConfig, TuneResult, equal_partition, one_f_one_b, tune
 
@@ -46,6 +46,7 @@ __all__ = [
     "layer_names",
     "profile_reference",
     "speedup",
+    "split_backward_costs",
     "tune_reference",
 ]
 
@@ -207,11 +208,30 @@ def _timed(steps: Sequence[float], run_lengths: Sequence[int]) -> list[float]:
     return timed
 
 
-def compare(plan: plan_pb2.Plan, profile: profile_pb2.Profile, runs: Sequence[RunResult]) -> Comparison:
-    """Predicted (the simulator with ``profile``'s costs) vs measured (``runs`` of ``plan``)."""
+def split_backward_costs(plan: plan_pb2.Plan, profile: profile_pb2.Profile) -> CostModel:
+    """The costs the tuner scores with: ``local_cost_model``, but a full backward B costs I + W.
+
+    (The profiler also times each layer's fused backward; the tuner, whose stages
+    change, sums I and W. Use this to predict what ``tune`` predicts.)
+    """
+    costs = local_cost_model(plan, profile)
+    return dataclasses.replace(
+        costs, stages=tuple(dataclasses.replace(stage, full_backward_us=None) for stage in costs.stages)
+    )
+
+
+def compare(
+    plan: plan_pb2.Plan,
+    profile: profile_pb2.Profile,
+    runs: Sequence[RunResult],
+    *,
+    costs: CostModel | None = None,
+) -> Comparison:
+    """Predicted (the simulator with ``costs``, default ``local_cost_model(plan, profile)``) vs measured
+    (``runs`` of ``plan``)."""
     if not runs:
         raise ValueError("give at least one run of the plan to compare with")
-    costs = local_cost_model(plan, profile)
+    costs = costs if costs is not None else local_cost_model(plan, profile)
     simulation = simulate(plan, costs)
     per_run = [measured_step_times_us(run) for run in runs]
     steps = [t for times in per_run for t in times]
