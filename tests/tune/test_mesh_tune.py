@@ -161,3 +161,29 @@ def test_tuner_never_breaks_the_cap(devices: int, batch: int, cap: int, seed: in
     assert all(p.memory_cap_bytes == cap for p in result.plan.ranks)
     scaled = scale_microbatches(profile, result.microbatch_size)
     verify_plan(result.plan, CostModel.from_profile(result.plan, scaled, default_link=Link()))
+
+
+def test_refinement_never_makes_the_choice_slower() -> None:
+    profile = mesh_profile(12, seed=5)
+    config = MeshTuneConfig(devices=8, global_batch=32, memory_cap_bytes=10**6, pipeline_degrees=(4,))
+    plain = tune_mesh(profile, config)
+    refined = tune_mesh(profile, MeshTuneConfig(**{**vars(config), "refine_s": 5.0}))
+    verify_plan(refined.plan)
+    assert refined.estimate.step_time_us <= plain.estimate.step_time_us
+    assert refined.simulations >= plain.simulations
+
+
+def test_expert_parallel_all_to_alls_are_paid() -> None:
+    profile = mesh_profile(8, seed=2)
+    for layer in profile.layers[1::2]:
+        layer.all_to_all_bytes = 5000
+    profile.collectives.add(
+        group=profile_pb2.GROUP_KIND_EXPERT_PARALLEL, latency_us=1.0, bandwidth_bytes_per_second=1e5
+    )
+    config = MeshTuneConfig(devices=8, global_batch=16, memory_cap_bytes=10**6, pipeline_degrees=(2,))
+    without = tune_mesh(profile, config)
+    with_ep = tune_mesh(profile, MeshTuneConfig(**{**vars(config), "ep": 4}))
+    assert (without.plan.mesh.ep, with_ep.plan.mesh.ep) == (1, 4)
+    assert with_ep.estimate.step_time_us > without.estimate.step_time_us
+    with pytest.raises(ValueError, match="ep=3 does not divide"):
+        tune_mesh(profile, MeshTuneConfig(**{**vars(config), "ep": 3}))

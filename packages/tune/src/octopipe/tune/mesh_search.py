@@ -238,8 +238,14 @@ def tune_mesh(
             progress(f"pp={pp} dp={dp} m={m}: {label}, step {score.step_time_us / 1e3:.1f} ms, fits={score.fits}")
         if best is None or score < best[0]:
             best = (score, ev, candidate, plan, label)
-    if best is None or not best[0].fits:
-        closest = "" if best is None else f" (closest: pp={best[1].num_ranks}, {best[0].excess_bytes} bytes over)"
+    if best is None:
+        reasons = "; ".join(f"pp={c.pp}: {c.reason}" for c in candidates) or "every pp has more stages than layers"
+        raise ValueError(
+            f"no pp x dp x m for {config.devices} devices and global batch {config.global_batch} can run ({reasons}): "
+            "give a global batch that dp x micro-batch size divides, an ep that divides dp, or fewer devices"
+        )
+    if not best[0].fits:
+        closest = f" (closest: pp={best[1].num_ranks}, {best[0].excess_bytes} bytes over)"
         raise ValueError(
             f"no pp x dp x m for {config.devices} devices and global batch {config.global_batch} has a plan within "
             f"the memory cap of {config.memory_cap_bytes} bytes{closest}: raise the cap, shrink the micro-batch, "
