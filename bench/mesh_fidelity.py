@@ -23,7 +23,11 @@ REDUCE_GRAD, an MoE all-to-all inside F and B) includes waiting for its
 slowest partner. Step-time errors here are dominated by that contention, not by
 the model of the schedule; per-action ratios say more. The simulator's
 UNSHARD counts every parameter byte of the stage, including MoE expert
-weights, which the runtime does not gather (each rank owns its experts).
+weights, which the runtime does not gather (each rank owns its experts), and
+models one ring all-gather of them, where the runtime issues one all-gather per
+parameter (no bucketing: dozens of small gloo collectives per UNSHARD). The
+"after" column removes the waiting: a collective's end minus the latest start
+among its dp partners.
 
     .venv/bin/python bench/mesh_fidelity.py [--steps 5] [--workloads llama-8 moe-ep-4]
 """
@@ -35,16 +39,19 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from octopipe.capture import split_model
 from octopipe.execute.pipeline import layer_names, profile_reference
 from octopipe.execute.runtime import (
     LOCAL_GLOO_LINK,
     RunResult,
+    build_model,
     measured_step_times_us,
     run_local_many,
     timelines_to_proto,
@@ -62,8 +69,14 @@ DP, M = 2, 4
 #: model sizes: the workloads' hidden size and layer count, shorter sequences so 4 ranks on 2 cores finish in minutes
 SIZES = {"sequence": 64, "global_batch": 16}
 EP = {"llama-8": 1, "moe-ep-4": 2}
-KINDS = (ActionKind.UNSHARD, ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
-KINDS += (ActionKind.FULL_BACKWARD, ActionKind.REDUCE_GRAD)
+KINDS = (
+    ActionKind.UNSHARD,
+    ActionKind.FORWARD,
+    ActionKind.BACKWARD_INPUT,
+    ActionKind.BACKWARD_WEIGHT,
+    ActionKind.FULL_BACKWARD,
+    ActionKind.REDUCE_GRAD,
+)
 
 
 def mesh_plans(reference: plan_pb2.ModelReference, ep: int) -> list[plan_pb2.Plan]:
@@ -98,6 +111,8 @@ def per_action(plan: plan_pb2.Plan, costs: CostModel, result: RunResult) -> list
         for rec in timeline.records:
             kind = ActionKind.from_proto(rec.action.kind)
             measured.setdefault((rec.action.stage_index, kind.name), []).append(rec.end_us - rec.start_us)
+    after = after_last_arrival(plan, result)
+    gathered = collectives_per_stage(plan)
     rows = []
     for stage in range(len(plan.stages)):
         for kind in KINDS:
@@ -116,9 +131,45 @@ def per_action(plan: plan_pb2.Plan, costs: CostModel, result: RunResult) -> list
                     "measured_samples": len(measured[key]),
                     "measured_range_over_median": spread,
                     "measured_over_simulated": got / want if want else None,
+                    "measured_after_last_arrival_us": statistics.median(after[key]) if key in after else None,
+                    "collectives": gathered[stage] if kind.is_collective else None,
                 }
             )
     return rows
+
+
+def collectives_per_stage(plan: plan_pb2.Plan) -> list[int]:
+    """All-gathers in one UNSHARD (= reduce-scatters in one REDUCE_GRAD): the stage's FSDP-sharded parameters.
+
+    The runtime gathers parameter by parameter; with ep > 1 MoE expert weights stay local.
+    """
+    model = build_model(plan.model).model
+    stages = split_model(model, [list(s.layer_names) for s in plan.stages])
+    local = re.compile(r"\.ffn\.w[123]$") if plan.mesh.ep > 1 else None
+    return [sum(1 for n, _ in st.named_parameters() if local is None or not local.search(n)) for st in stages]
+
+
+def after_last_arrival(plan: plan_pb2.Plan, result: RunResult) -> dict[tuple[int, str], list[float]]:
+    """UNSHARD / REDUCE_GRAD: each replica's end minus the latest start in its dp group (waiting removed).
+
+    Replicas of one pipeline rank run the same program, so the i-th record of
+    each is the same collective; local ranks share one monotonic clock.
+    """
+    dp = plan.mesh.dp
+    out: dict[tuple[int, str], list[float]] = {}
+    for p in range(len(plan.ranks)):
+        group = [p * dp + d for d in range(dp)]
+        steps = min(len(result.timelines[g]) for g in group)
+        for step in range(1, steps):
+            records = [result.timelines[g][step]["records"] for g in group]
+            for index, record in enumerate(records[0]):
+                action = parse_action(record["action"])
+                if action.kind not in (ActionKind.UNSHARD, ActionKind.REDUCE_GRAD):
+                    continue
+                last = max(int(r[index]["start_ns"]) for r in records)
+                key = (action.stage, action.kind.name)
+                out.setdefault(key, []).extend((int(r[index]["end_ns"]) - last) / 1e3 for r in records)
+    return out
 
 
 def bench_workload(name: str, steps: int) -> dict[str, Any]:
@@ -174,17 +225,23 @@ def main() -> None:
                 f"{r['step_time_error']:>6.1%} {r['replay_ms']:>10.1f} {r['replay_error']:>10.1%}"
             )
     print("\nper action (median over replicas and timed steps): simulated vs measured")
+    print("(after us: a collective's end minus the last dp partner's start, i.e. without waiting for the partner;")
+    print(" colls: gloo all-gathers / reduce-scatters the runtime issues in one UNSHARD / REDUCE_GRAD)")
     print(
-        f"{'workload':<10} {'schedule':<8} {'stage':>5} {'kind':<16} {'sim us':>9} {'meas us':>9} {'meas/sim':>9} {'range':>7}"
+        f"{'workload':<10} {'schedule':<8} {'stage':>5} {'kind':<16} {'sim us':>9} {'meas us':>9} {'meas/sim':>9} "
+        f"{'range':>7} {'after us':>9} {'colls':>5}"
     )
     for result in results:
         for r in result["rows"]:
             for a in r["actions"]:
                 sim = "n/a" if a["simulated_us"] is None else f"{a['simulated_us']:.0f}"
                 ratio = "n/a" if a["measured_over_simulated"] is None else f"{a['measured_over_simulated']:.2f}"
+                waitless = a["measured_after_last_arrival_us"]
+                after = "" if waitless is None else f"{waitless:.0f}"
+                colls = "" if a["collectives"] is None else str(a["collectives"])
                 print(
                     f"{result['workload']:<10} {r['schedule']:<8} {a['stage']:>5} {a['kind']:<16} {sim:>9} "
-                    f"{a['measured_median_us']:>9.0f} {ratio:>9} {a['measured_range_over_median']:>7.0%}"
+                    f"{a['measured_median_us']:>9.0f} {ratio:>9} {a['measured_range_over_median']:>7.0%} {after:>9} {colls:>5}"
                 )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
@@ -199,7 +256,8 @@ def main() -> None:
                 "microbatches": M,
                 "sizes": SIZES,
                 "steps": args.steps,
-                "command": "python bench/mesh_fidelity.py " + " ".join(f"--steps {args.steps}".split()),
+                "command": f".venv/bin/python bench/mesh_fidelity.py --steps {args.steps} "
+                f"--workloads {' '.join(args.workloads)}",
                 "results": results,
             },
             indent=2,

@@ -35,9 +35,17 @@ from octopipe.execute.runtime import (
 from octopipe.execute.runtime.fsdp_actions import add_fsdp_actions, check_sharded_programs
 from octopipe.execute.runtime.mesh import MeshRank, replica_batch
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import PlanError, parse_action, rank_actions
+from octopipe.simulate.ir import PlanError, action_to_proto, parse_action, rank_actions
 from octopipe.transform import StageExecutable, compile_stage
-from octopipe.tune import equal_partition, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
+from octopipe.tune import (
+    CollectivePlacement,
+    equal_partition,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    place_collectives,
+    zb_h1,
+)
 
 DP = 2
 M = 4
@@ -117,17 +125,26 @@ def test_moe_pp1_dp4_ep2_sums_expert_gradients_over_the_ep_groups() -> None:
 
 
 @pytest.mark.slow
-def test_a_rank_map_places_replicas_anywhere() -> None:
-    """mesh.global_ranks permutes processes: pipeline rank 0's replicas on processes 3 and 1, rank 1's on 0 and 2."""
-    plan = mesh_plans("llama-8", ep=1)[0]
+def test_a_rank_map_and_the_tuners_collective_placement() -> None:
+    """mesh.global_ranks permutes processes (pipeline rank 0's replicas on processes 3 and 1, rank 1's on 0 and
+    2); the collectives are placed by the tuner's ``place_collectives`` (all UNSHARDs up front, RESHARD before
+    REDUCE_GRAD) on interleaved 1F1B, two stages per rank."""
+    plan = mesh_plans("llama-8", ep=1)[2]
+    policy = CollectivePlacement(prefetch=True, reshard=True)
+    placed = place_collectives(rank_actions(plan), [s.rank for s in plan.stages], policy)
+    for program in plan.ranks:
+        del program.actions[:]
+        program.actions.extend(action_to_proto(a) for a in placed[program.rank])
     plan.mesh.global_ranks[:] = [3, 1, 0, 2]
     (run,) = run_local_many([plan], steps=1, keep_grads=True, timeout_s=180, pin_cores=False)
     ref = reference_run(plan.model, num_microbatches=M * DP, steps=1)
     assert run.losses == pytest.approx(ref.losses, rel=1e-6)
     for name, value in ref.grads.items():
         torch.testing.assert_close(run.grads[name], value)
-    first = {rank: steps[0]["records"][0]["action"] for rank, steps in run.timelines.items()}
-    assert first[3] == first[1] == str(rank_actions(plan)[0][0])
+    done = {rank: [r["action"] for r in steps[0]["records"]] for rank, steps in run.timelines.items()}
+    assert done[3] == done[1] == [str(a) for a in placed[0]]
+    assert done[0] == done[2] == [str(a) for a in placed[1]]
+    assert done[3][:2] == ["0UNSHARD", "2UNSHARD"]
 
 
 # ---- refusals, before any process starts ----
@@ -232,12 +249,18 @@ class _FakeSharded:
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def _one_stage_runtime(program: str) -> tuple[RankRuntime, _FakeSharded, Batches]:
+@pytest.fixture(scope="module")
+def one_stage() -> tuple[StageExecutable, Batches]:
+    """The whole tiny llama as one captured stage, and two micro-batches."""
     reference = workload_reference("llama-8", tiny=True, sequence=8, global_batch=2)
     built = build_model(reference)
     (stage,) = split_model(built.model, [built.model.pipeline_layers()])  # type: ignore[operator]
     tokens, targets = built.batch(0)
-    fake = _FakeSharded(compile_stage(stage, [tokens[:1], targets[:1]]))
+    return compile_stage(stage, [tokens[:1], targets[:1]]), list(zip(tokens.chunk(2), targets.chunk(2), strict=True))
+
+
+def _runtime(program: str, exe: StageExecutable) -> tuple[RankRuntime, _FakeSharded]:
+    fake = _FakeSharded(exe)
     actions = [parse_action(a) for a in program.split()]
     p2p = P2P(
         rank=0,
@@ -249,27 +272,36 @@ def _one_stage_runtime(program: str) -> tuple[RankRuntime, _FakeSharded, Batches
         aborted=lambda: None,
     )
     runtime = RankRuntime(rank=0, program=actions, stages={0: fake}, stage_rank={0: 0}, num_microbatches=2, p2p=p2p)
-    return runtime, fake, list(zip(tokens.chunk(2), targets.chunk(2), strict=True))
+    return runtime, fake
 
 
-def test_the_interpreter_refuses_compute_on_a_sharded_stage_that_is_not_gathered() -> None:
-    runtime, fake, microbatches = _one_stage_runtime("0F0 0B0 0F1 0B1 0REDUCE_GRAD")
-    with pytest.raises(StepFailure, match=r"action 0 \(0F0\): stage 0 is sharded .*put '0UNSHARD' before"):
+@pytest.mark.parametrize(
+    ("program", "error"),
+    [
+        ("0F0 0B0 0F1 0B1 0REDUCE_GRAD", r"action 0 \(0F0\): stage 0 is sharded .*put '0UNSHARD' before"),
+        ("0UNSHARD 0F0 0B0 0RESHARD 0F1 0B1 0REDUCE_GRAD", r"\(0F1\): .*RESHARD dropped its gathered parameters"),
+        ("0UNSHARD 0F0 0B0 0F1 0B1", r"never ran REDUCE_GRAD"),
+        ("0UNSHARD 0F0 0B0 0REDUCE_GRAD 0F1 0B1", r"\(0B1\): a backward of stage 0 runs after its REDUCE_GRAD"),
+        ("0UNSHARD 0F0 0UNSHARD 0B0 0F1 0B1 0REDUCE_GRAD", r"\(0UNSHARD\): stage 0 is unsharded already"),
+    ],
+)
+def test_the_interpreter_refuses_a_sharded_stage_used_out_of_order(
+    one_stage: tuple[StageExecutable, Batches], program: str, error: str
+) -> None:
+    exe, microbatches = one_stage
+    runtime, _ = _runtime(program, exe)
+    with pytest.raises(StepFailure, match=error):
         runtime.run_step(0, microbatches)
-    runtime, fake, microbatches = _one_stage_runtime("0UNSHARD 0F0 0B0 0RESHARD 0F1 0B1 0REDUCE_GRAD")
-    with pytest.raises(StepFailure, match=r"\(0F1\): .*RESHARD dropped its gathered parameters"):
-        runtime.run_step(0, microbatches)
-    runtime, fake, microbatches = _one_stage_runtime("0UNSHARD 0F0 0B0 0F1 0B1")
-    with pytest.raises(StepFailure, match=r"never ran REDUCE_GRAD"):
-        runtime.run_step(0, microbatches)
-    runtime, fake, microbatches = _one_stage_runtime("0UNSHARD 0F0 0B0 0REDUCE_GRAD 0F1 0B1")
-    with pytest.raises(StepFailure, match=r"\(0B1\): a backward of stage 0 runs after its REDUCE_GRAD"):
-        runtime.run_step(0, microbatches)
-    runtime, fake, microbatches = _one_stage_runtime("0UNSHARD 0F0 0B0 0F1 0B1 0REDUCE_GRAD 0RESHARD")
-    for step in range(2):  # every step gathers again and reduces once
+
+
+def test_the_interpreter_gathers_every_step_and_reduces_once(one_stage: tuple[StageExecutable, Batches]) -> None:
+    exe, microbatches = one_stage
+    runtime, fake = _runtime("0UNSHARD 0F0 0B0 0F1 0B1 0REDUCE_GRAD 0RESHARD", exe)
+    for step in range(2):
         assert runtime.run_step(step, microbatches) is not None
         assert fake.reduced == step + 1
         assert all(g is not None for g in runtime.grads[0])
+        assert 0 not in runtime.stages  # resharded
         runtime.zero_grads()
 
 

@@ -13,8 +13,9 @@ RESHARD drops the gathered parameters; REDUCE_GRAD turns the full gradients
 accumulated so far into this rank's shard gradients, once per step, after the
 stage's last backward. A plan that computes on a sharded stage before its
 UNSHARD, accumulates after its REDUCE_GRAD, or never reduces is refused with an
-error naming the action to add (:func:`octopipe.execute.runtime.mesh.check_sharded_program`
-finds the same mistakes before any process starts).
+error naming the action to add
+(:func:`octopipe.execute.runtime.fsdp_actions.check_sharded_programs` finds the
+same mistakes before any process starts).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 
@@ -35,7 +36,6 @@ from octopipe.transform import ForwardContext, OverlapStage, StageExecutable, We
 __all__ = ["ActionRecord", "RankRuntime", "ShardedStage", "StepFailure", "rss_bytes"]
 
 
-@runtime_checkable
 class ShardedStage(Protocol):
     """A stage whose parameters are sharded: UNSHARD gathers them, REDUCE_GRAD reduces full gradients to shards."""
 
