@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
@@ -24,6 +27,8 @@ from octopipe.simulate import (
 )
 from octopipe.simulate.ir import Action, ActionKind, action_to_proto, rank_actions
 from octopipe.tune import interleaved_1f1b, one_f_one_b, zb_h1
+from tests.simulate.reference import reference_times
+from tests.simulate.test_properties import cost_models, schedules
 
 FREE = GroupLinks(data_parallel=Link(), expert_parallel=Link())
 
@@ -194,3 +199,42 @@ def test_group_links_from_the_profile() -> None:
     with pytest.raises(ValueError, match=r"collectives\[2\]: set group"):
         GroupLinks.from_profile(profile)
     assert not math.isnan(durations["1REDUCE_GRAD"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_group_timed_collectives_agree_with_explicit_times_and_the_reference(data: st.DataObject) -> None:
+    """Timing UNSHARD / REDUCE_GRAD by group size gives, bit for bit, the step that the same ring times written
+    into the StageCosts give, and both agree with the independent reference model."""
+    dp = data.draw(st.sampled_from([2, 3, 8]))
+    unshard = data.draw(st.booleans())
+    plan = with_fsdp(data.draw(schedules()), dp, unshard=unshard)
+    base = data.draw(cost_models(len(plan.stages), len(plan.ranks)))
+    link = Link(
+        latency_us=data.draw(st.sampled_from([0.0, 1.5, 7.0])),
+        bandwidth_bytes_per_second=data.draw(st.sampled_from([1e6, 3e7, math.inf])),
+    )
+    sizes = [(data.draw(st.integers(0, 10**6)), data.draw(st.integers(0, 10**6))) for _ in range(len(plan.stages))]
+    stages = tuple(
+        replace(stage, parameter_bytes=params, gradient_bytes=grads)
+        for stage, (params, grads) in zip(base.stages, sizes, strict=True)
+    )
+    by_group = replace(base, stages=stages, collectives=GroupLinks(data_parallel=link))
+    reduce = reduce_scatter_us if unshard else all_reduce_us
+    explicit = replace(
+        base,
+        stages=tuple(
+            replace(
+                s,
+                unshard_us=all_gather_us(link, dp, s.parameter_bytes),
+                reduce_grad_us=reduce(link, dp, s.gradient_bytes),
+            )
+            for s in stages
+        ),
+    )
+    got = simulate(plan, by_group)
+    assert got.timeline() == simulate(plan, explicit).timeline()
+    expected = reference_times(plan, explicit)
+    assert {(t.rank, t.step): (t.start_us, t.end_us) for t in got.timeline()} == expected
+    slower = replace(by_group, collectives=GroupLinks(data_parallel=replace(link, latency_us=link.latency_us + 10)))
+    assert simulate(plan, slower).estimate.step_time_us >= got.estimate.step_time_us
