@@ -213,7 +213,9 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
     tuned_cmp = pipeline.compare(
         tuned.plan, profile, results[0::2], costs=pipeline.split_backward_costs(tuned.plan, profile)
     )
-    base_cmp = pipeline.compare(baseline, profile, results[1::2], costs=pipeline.split_backward_costs(baseline, profile))
+    base_cmp = pipeline.compare(
+        baseline, profile, results[1::2], costs=pipeline.split_backward_costs(baseline, profile)
+    )
     measured_speedup = pipeline.speedup(base_cmp.measured_step_us, tuned_cmp.measured_step_us)
     predicted_speedup = pipeline.speedup(base_cmp.predicted_step_us, tuned_cmp.predicted_step_us)
 
@@ -340,6 +342,11 @@ def _print_report(
         "replayed: the simulator fed the measured per-action durations (the rest is runtime overhead)",
         highlight=False,
     )
+    ratios = "; ".join(
+        f"{name}: " + ", ".join(f"{kind} {ratio:.2f}x" for kind, ratio in cmp.slowdown.items())
+        for name, cmp in (("tuned", tuned), ("1F1B", base))
+    )
+    console.print(f"measured / profiled time per action: {ratios}", highlight=False)
     speed = summary["speedup_over_1f1b_equal"]
     console.print(
         f"[bold]speed-up over 1F1B with equal layer counts: {speed['measured']:.2f}x measured[/bold] "

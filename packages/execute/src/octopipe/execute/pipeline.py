@@ -144,6 +144,9 @@ class Comparison:
     measured_activation_bytes: tuple[int, ...]
     #: steps per run, in order (``measured_steps_us`` is their concatenation)
     run_lengths: tuple[int, ...] = ()
+    #: measured / predicted time per action, summed over stages: ``F``, ``I+W`` (together: a first stage's
+    #: I has no input gradient to compute, so its work moves to W) and ``B``, for the kinds the plan has
+    slowdown: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def predicted_step_us(self) -> float:
@@ -195,6 +198,7 @@ class Comparison:
             "measured_peak_activation_bytes": list(self.measured_activation_bytes),
             "predicted_peak_memory_bytes": list(self.predicted_memory_bytes),
             "measured_peak_memory_bytes": list(self.measured_memory_bytes),
+            "measured_over_predicted_action_time": dict(self.slowdown),
         }
 
 
@@ -237,7 +241,15 @@ def compare(
     steps = [t for times in per_run for t in times]
     lengths = tuple(len(times) for times in per_run)
     timelines = [t for run in runs for t in timelines_to_proto(run) if t.step > 0 or len(run.losses) == 1]
-    replay = simulate(plan, dataclasses.replace(costs, durations_us=durations_from_timelines(timelines)))
+    durations = durations_from_timelines(timelines)
+    replay = simulate(plan, dataclasses.replace(costs, durations_us=durations))
+    sums: dict[str, list[float]] = {}
+    for (stage, kind), measured_us in durations.items():
+        group = {"F": "F", "I": "I+W", "W": "I+W", "B": "B"}.get(kind.code)
+        if group is not None and stage < len(costs.stages):
+            pair = sums.setdefault(group, [0.0, 0.0])
+            pair[0] += measured_us
+            pair[1] += costs.stages[stage].duration_us(kind)
     held: dict[int, int] = {}
     for timeline in timelines:
         held[timeline.rank] = max(held.get(timeline.rank, 0), int(timeline.peak_memory_bytes))
@@ -249,4 +261,5 @@ def compare(
         replay_step_us=replay.estimate.step_time_us,
         measured_activation_bytes=tuple(held.get(r, 0) for r in range(len(plan.ranks))),
         run_lengths=lengths,
+        slowdown={group: m / p for group, (m, p) in sums.items() if p > 0},
     )
