@@ -22,6 +22,8 @@ from octopipe.simulate.ir import load_plan, validate_plan
 ROOT = Path(__file__).resolve().parents[2]
 RUN_SH = ROOT / "scripts" / "run.sh"
 IN_VENV = Path(sys.prefix).resolve() == (ROOT / ".venv").resolve()
+pytestmark = pytest.mark.slow  # two launches of rank processes: 25 s on an idle 2-core machine, 90 s contended
+
 SPEEDUP = re.compile(r"speed-up over 1F1B with equal layer counts: (\d+\.\d+)x measured \(predicted (\d+\.\d+)x")
 
 
