@@ -23,9 +23,10 @@ measurements. Assumptions, all stated in ``ASSUMPTIONS`` and in the JSON:
   reduce-scattered), fp32 master weights + Adam moments as optimizer state (12 B/param); sharded
   over dp by FSDP; boundary tensors 2·s·h bytes;
 * interconnect: 8 GPUs per node on NVLink (450 GB/s per direction), InfiniBand NDR 400 Gb/s = 50 GB/s
-  per GPU between nodes. The mesh is pipeline-outermost (global rank = p·dp + d), so for dp >= 16
-  every data-parallel group spans nodes: its ring runs at 50 GB/s with 5 us per hop; pipeline
-  sends go between nodes: 50 GB/s, 5 us.
+  per GPU between nodes. The mesh is pipeline-outermost (global rank = p·dp + d): a data-parallel
+  group of at most 8 ranks lies inside a node (NVLink ring, 450 GB/s, 2 us per hop; the profile's
+  ``max_group_size = 8`` entry), larger ones span nodes (50 GB/s, 5 us per hop); at 1024-8192
+  devices every dp is >= 16. Pipeline sends go between nodes: 50 GB/s, 5 us.
 
 Not modelled: the recompute working set of one layer during its backward, allocator fragmentation,
 tensor/context parallelism, per-layer (rather than per-stage) FSDP prefetching, the stash a
@@ -62,6 +63,7 @@ PEAK_FLOPS, EFFICIENCY = 989e12, 0.40
 GLOBAL_BATCH = 4096
 CAP_BYTES = 80 * 10**9
 IB = Link(latency_us=5.0, bandwidth_bytes_per_second=50e9)
+NVLINK = Link(latency_us=2.0, bandwidth_bytes_per_second=450e9)
 ASSUMPTIONS = {
     "model": "Nemotron-H 56B shape: hidden 8192, 118 layers (54 Mamba-2, 10 attention, 54 squared-ReLU MLP), "
     "vocab 131072, untied head",
@@ -70,8 +72,8 @@ ASSUMPTIONS = {
     "recompute": "full activation checkpointing per layer: I includes a recomputed F; a layer holds 2*s*h bytes",
     "precision": "bf16 params (2 B) and grads (2 B); fp32 master + Adam m, v (12 B) as optimizer state",
     "interconnect": "NVLink 450 GB/s per direction inside an 8-GPU node; InfiniBand NDR 400 Gb/s = 50 GB/s per "
-    "GPU between nodes; dp groups (>= 16 ranks) span nodes: ring at 50 GB/s, 5 us per hop; "
-    "pipeline p2p 50 GB/s, 5 us",
+    "GPU between nodes; dp groups of <= 8 ranks on NVLink (2 us per hop), larger ones (all here: dp >= 16) "
+    "span nodes: ring at 50 GB/s, 5 us per hop; pipeline p2p 50 GB/s, 5 us",
     "collectives": "ring: all-gather / reduce-scatter (n-1)/n * bytes / bw + (n-1) * latency",
 }
 
@@ -124,7 +126,7 @@ def nemotronh_56b_profile() -> profile_pb2.Profile:
         else:
             profile.layers.append(_layer(name, "relu2", mlp, 0.0, 0.0))
     profile.layers.append(_layer("head", "head", VOCAB * HIDDEN + HIDDEN, 0.0, 0.0))
-    profile.collectives.extend(GroupLinks(data_parallel=IB).to_proto())
+    profile.collectives.extend(GroupLinks(data_parallel=IB, data_parallel_within={8: NVLINK}).to_proto())
     return profile
 
 

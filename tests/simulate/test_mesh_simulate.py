@@ -238,3 +238,27 @@ def test_group_timed_collectives_agree_with_explicit_times_and_the_reference(dat
     assert {(t.rank, t.step): (t.start_us, t.end_us) for t in got.timeline()} == expected
     slower = replace(by_group, collectives=GroupLinks(data_parallel=replace(link, latency_us=link.latency_us + 10)))
     assert simulate(plan, slower).estimate.step_time_us >= got.estimate.step_time_us
+
+
+def test_small_groups_take_the_node_link() -> None:
+    """A `max_group_size` entry (e.g. NVLink inside an 8-GPU node) times groups that fit; larger ones the default."""
+    nvlink = Link(latency_us=1.0, bandwidth_bytes_per_second=4.5e11)
+    ib = Link(latency_us=5.0, bandwidth_bytes_per_second=5e10)
+    links = GroupLinks(data_parallel=ib, data_parallel_within={8: nvlink, 2: Link(latency_us=0.5)})
+    assert links.data_parallel_link(0, 8) == nvlink and links.data_parallel_link(0, 3) == nvlink
+    assert links.data_parallel_link(0, 2) == Link(latency_us=0.5)
+    assert links.data_parallel_link(0, 16) == ib and links.data_parallel_link(0) == ib
+    override = GroupLinks(data_parallel_within={8: nvlink}, data_parallel_by_rank={1: ib})
+    assert override.data_parallel_link(1, 4) == ib
+    with pytest.raises(ValueError, match="a group of 16 ranks"):
+        override.data_parallel_link(0, 16)
+    assert GroupLinks.from_profile(profile_pb2.Profile(collectives=links.to_proto())) == links
+    stage = StageCost(forward_us=1, backward_input_us=1, backward_weight_us=1, parameter_bytes=8000, gradient_bytes=8)
+    for dp, link in ((4, nvlink), (16, ib)):
+        timeline = simulate(one_rank(HAND, dp=dp), CostModel(stages=(stage,), collectives=links)).timeline()
+        assert timeline[0].end_us == all_gather_us(link, dp, 8000)
+    both = profile_pb2.Profile()
+    both.collectives.add(group=profile_pb2.GROUP_KIND_DATA_PARALLEL, pipeline_rank=0, max_group_size=8)
+    both.collectives[0].bandwidth_bytes_per_second = 1e9
+    with pytest.raises(ValueError, match="not both"):
+        GroupLinks.from_profile(both)

@@ -173,12 +173,15 @@ def _mesh_durations(program: Program, costs: CostModel, table: dict[tuple[int, i
         if program.dp > 1:
             if (stage, ActionKind.UNSHARD) not in measured:
                 held = cost.parameter_bytes if cost.unsharded_bytes is None else cost.unsharded_bytes
-                table[stage, UNSHARD] = all_gather_us(links.data_parallel_link(rank), program.dp, held)
+                table[stage, UNSHARD] = all_gather_us(links.data_parallel_link(rank, program.dp), program.dp, held)
             if (stage, ActionKind.REDUCE_GRAD) not in measured:
                 reduce = reduce_scatter_us if stage in program.sharded_stages else all_reduce_us
-                table[stage, REDUCE_GRAD] = reduce(links.data_parallel_link(rank), program.dp, cost.gradient_bytes)
+                table[stage, REDUCE_GRAD] = reduce(
+                    links.data_parallel_link(rank, program.dp), program.dp, cost.gradient_bytes
+                )
         if program.ep > 1 and cost.all_to_all_bytes:
-            a2a[stage] = all_to_all_us(links.expert_parallel_link(rank), program.ep, cost.all_to_all_bytes)
+            link = links.expert_parallel_link(rank, program.ep)
+            a2a[stage] = all_to_all_us(link, program.ep, cost.all_to_all_bytes)
             for code in (F, I, B):
                 if (stage, _KINDS[code]) not in measured:
                     table[stage, code] += a2a[stage]

@@ -62,88 +62,127 @@ def all_to_all_us(link: Link, group_size: int, num_bytes: int) -> float:
 class GroupLinks:
     """The hop cost of each kind of mesh group: data-parallel (FSDP) and expert-parallel.
 
-    ``data_parallel`` / ``expert_parallel`` apply to every pipeline rank's
-    groups; ``*_by_rank`` override them for one pipeline rank.
+    For a group of n ranks of pipeline rank p the link is, in order: the
+    ``*_by_rank[p]`` override; else the ``*_within[N]`` entry with the smallest
+    N >= n (groups of at most N ranks, e.g. ``{8: nvlink}`` for groups inside an
+    8-GPU node; assumes groups of consecutive, node-aligned ranks, as the default
+    rank map gives when dp divides the node size); else ``data_parallel`` /
+    ``expert_parallel``.
     """
 
     data_parallel: Link | None = None
     expert_parallel: Link | None = None
     data_parallel_by_rank: Mapping[int, Link] = field(default_factory=dict)
     expert_parallel_by_rank: Mapping[int, Link] = field(default_factory=dict)
+    data_parallel_within: Mapping[int, Link] = field(default_factory=dict)
+    expert_parallel_within: Mapping[int, Link] = field(default_factory=dict)
 
-    def data_parallel_link(self, pipeline_rank: int) -> Link:
-        """The hop cost of ``pipeline_rank``'s data-parallel group."""
-        found = self.data_parallel_by_rank.get(pipeline_rank, self.data_parallel)
-        if found is None:
-            raise ValueError(
-                f"no data-parallel collective cost for pipeline rank {pipeline_rank}: add a CollectiveCost "
-                "(group GROUP_KIND_DATA_PARALLEL) to the profile, or set GroupLinks.data_parallel"
-            )
-        return found
+    def data_parallel_link(self, pipeline_rank: int, group_size: int | None = None) -> Link:
+        """The hop cost of ``pipeline_rank``'s data-parallel group (of ``group_size`` ranks, if known)."""
+        return _pick(
+            self.data_parallel_by_rank, self.data_parallel_within, self.data_parallel, pipeline_rank, group_size, "DATA"
+        )
 
-    def expert_parallel_link(self, pipeline_rank: int) -> Link:
-        """The hop cost of ``pipeline_rank``'s expert-parallel groups."""
-        found = self.expert_parallel_by_rank.get(pipeline_rank, self.expert_parallel)
-        if found is None:
-            raise ValueError(
-                f"no expert-parallel collective cost for pipeline rank {pipeline_rank}: add a CollectiveCost "
-                "(group GROUP_KIND_EXPERT_PARALLEL) to the profile, or set GroupLinks.expert_parallel"
-            )
-        return found
+    def expert_parallel_link(self, pipeline_rank: int, group_size: int | None = None) -> Link:
+        """The hop cost of ``pipeline_rank``'s expert-parallel groups (of ``group_size`` ranks, if known)."""
+        return _pick(
+            self.expert_parallel_by_rank,
+            self.expert_parallel_within,
+            self.expert_parallel,
+            pipeline_rank,
+            group_size,
+            "EXPERT",
+        )
 
     @classmethod
     def from_profile(cls, profile: profile_pb2.Profile) -> GroupLinks | None:
         """The profile's ``collectives`` (None when it has none)."""
         if not profile.collectives:
             return None
+        kinds = (profile_pb2.GROUP_KIND_DATA_PARALLEL, profile_pb2.GROUP_KIND_EXPERT_PARALLEL)
         shared: dict[int, Link] = {}
-        by_rank: dict[int, dict[int, Link]] = {
-            profile_pb2.GROUP_KIND_DATA_PARALLEL: {},
-            profile_pb2.GROUP_KIND_EXPERT_PARALLEL: {},
-        }
+        by_rank: dict[int, dict[int, Link]] = {kind: {} for kind in kinds}
+        within: dict[int, dict[int, Link]] = {kind: {} for kind in kinds}
         for index, cost in enumerate(profile.collectives):
-            if cost.group not in by_rank:
-                raise ValueError(
-                    f"profile collectives[{index}]: set group to GROUP_KIND_DATA_PARALLEL or GROUP_KIND_EXPERT_PARALLEL"
-                )
+            where = f"profile collectives[{index}]"
+            if cost.group not in kinds:
+                raise ValueError(f"{where}: set group to GROUP_KIND_DATA_PARALLEL or GROUP_KIND_EXPERT_PARALLEL")
             try:
                 link = Link(latency_us=cost.latency_us, bandwidth_bytes_per_second=cost.bandwidth_bytes_per_second)
             except ValueError as exc:
-                raise ValueError(f"profile collectives[{index}]: {exc}") from None
+                raise ValueError(f"{where}: {exc}") from None
+            if cost.HasField("pipeline_rank") and cost.HasField("max_group_size"):
+                raise ValueError(f"{where}: give pipeline_rank or max_group_size, not both")
             if cost.HasField("pipeline_rank"):
                 by_rank[cost.group][cost.pipeline_rank] = link
+            elif cost.HasField("max_group_size"):
+                if cost.max_group_size < 1:
+                    raise ValueError(f"{where}: max_group_size must be >= 1")
+                within[cost.group][cost.max_group_size] = link
             else:
                 shared[cost.group] = link
+        data, expert = kinds
         return cls(
-            data_parallel=shared.get(profile_pb2.GROUP_KIND_DATA_PARALLEL),
-            expert_parallel=shared.get(profile_pb2.GROUP_KIND_EXPERT_PARALLEL),
-            data_parallel_by_rank=by_rank[profile_pb2.GROUP_KIND_DATA_PARALLEL],
-            expert_parallel_by_rank=by_rank[profile_pb2.GROUP_KIND_EXPERT_PARALLEL],
+            data_parallel=shared.get(data),
+            expert_parallel=shared.get(expert),
+            data_parallel_by_rank=by_rank[data],
+            expert_parallel_by_rank=by_rank[expert],
+            data_parallel_within=within[data],
+            expert_parallel_within=within[expert],
         )
 
     def to_proto(self) -> list[profile_pb2.CollectiveCost]:
         """The ``CollectiveCost`` entries that describe these links (for a Profile's ``collectives``)."""
         out = []
-        for kind, shared, by_rank in (
-            (profile_pb2.GROUP_KIND_DATA_PARALLEL, self.data_parallel, self.data_parallel_by_rank),
-            (profile_pb2.GROUP_KIND_EXPERT_PARALLEL, self.expert_parallel, self.expert_parallel_by_rank),
+        for kind, shared, by_rank, within in (
+            (
+                profile_pb2.GROUP_KIND_DATA_PARALLEL,
+                self.data_parallel,
+                self.data_parallel_by_rank,
+                self.data_parallel_within,
+            ),
+            (
+                profile_pb2.GROUP_KIND_EXPERT_PARALLEL,
+                self.expert_parallel,
+                self.expert_parallel_by_rank,
+                self.expert_parallel_within,
+            ),
         ):
             if shared is not None:
-                out.append(
-                    profile_pb2.CollectiveCost(
-                        group=kind,
-                        latency_us=shared.latency_us,
-                        bandwidth_bytes_per_second=shared.bandwidth_bytes_per_second,
-                    )
-                )
+                out.append(_entry(kind, shared))
             for rank in sorted(by_rank):
-                link = by_rank[rank]
-                out.append(
-                    profile_pb2.CollectiveCost(
-                        group=kind,
-                        pipeline_rank=rank,
-                        latency_us=link.latency_us,
-                        bandwidth_bytes_per_second=link.bandwidth_bytes_per_second,
-                    )
-                )
+                out.append(_entry(kind, by_rank[rank], pipeline_rank=rank))
+            for size in sorted(within):
+                out.append(_entry(kind, within[size], max_group_size=size))
         return out
+
+
+def _entry(kind: profile_pb2.GroupKind.ValueType, link: Link, **where: int) -> profile_pb2.CollectiveCost:
+    return profile_pb2.CollectiveCost(
+        group=kind, latency_us=link.latency_us, bandwidth_bytes_per_second=link.bandwidth_bytes_per_second, **where
+    )
+
+
+def _pick(
+    by_rank: Mapping[int, Link],
+    within: Mapping[int, Link],
+    shared: Link | None,
+    pipeline_rank: int,
+    group_size: int | None,
+    kind: str,
+) -> Link:
+    found = by_rank.get(pipeline_rank)
+    if found is None and group_size is not None:
+        bounds = [size for size in within if size >= group_size]
+        if bounds:
+            found = within[min(bounds)]
+    if found is None:
+        found = shared
+    if found is None:
+        name = "data-parallel" if kind == "DATA" else "expert-parallel"
+        raise ValueError(
+            f"no {name} collective cost for pipeline rank {pipeline_rank}"
+            + (f" (a group of {group_size} ranks)" if group_size is not None else "")
+            + f": add a CollectiveCost (group GROUP_KIND_{kind}_PARALLEL) to the profile, or set GroupLinks.{name.replace('-', '_')}"
+        )
+    return found

@@ -282,7 +282,7 @@ def _search_degree(
     collective placement on a partition balanced by each layer's m x (F + I + W) plus its all-gather and
     reduce-scatter time; the family's best order also on equal layer counts; and the baseline (1F1B,
     equal counts, collectives prefetched), so the result is never slower than the baseline when both fit."""
-    link = ev.collectives.data_parallel_link(0)
+    link = ev.collectives.data_parallel_link(0, ev.dp)
     share = (ev.dp - 1) / ev.dp / link.bandwidth_bytes_per_second * 1e6
     costs = ev.layers.costs
     weights = [
