@@ -62,6 +62,7 @@ ATTN_HEADS, KV_HEADS, HEAD_DIM = 64, 8, 128
 PEAK_FLOPS, EFFICIENCY = 989e12, 0.40
 GLOBAL_BATCH = 4096
 CAP_BYTES = 80 * 10**9
+MAX_PP = 64  # the most pipeline ranks 120 layers allow among the divisors of 1024, 4096 and 8192
 IB = Link(latency_us=5.0, bandwidth_bytes_per_second=50e9)
 NVLINK = Link(latency_us=2.0, bandwidth_bytes_per_second=450e9)
 ASSUMPTIONS = {
@@ -127,6 +128,15 @@ def nemotronh_56b_profile() -> profile_pb2.Profile:
             profile.layers.append(_layer(name, "relu2", mlp, 0.0, 0.0))
     profile.layers.append(_layer("head", "head", VOCAB * HIDDEN + HIDDEN, 0.0, 0.0))
     profile.collectives.extend(GroupLinks(data_parallel=IB, data_parallel_within={8: NVLINK}).to_proto())
+    for source in range(MAX_PP):  # pipeline sends between pipeline ranks (every pair, as bench/tune_workloads.py)
+        for destination in range(MAX_PP):
+            if source != destination:
+                profile.links.add(
+                    source_rank=source,
+                    destination_rank=destination,
+                    latency_us=IB.latency_us,
+                    bandwidth_bytes_per_second=IB.bandwidth_bytes_per_second,
+                )
     return profile
 
 
@@ -197,7 +207,7 @@ def main() -> None:
     print(header)
     for devices in args.devices:
         config = MeshTuneConfig(
-            devices=devices, global_batch=GLOBAL_BATCH, memory_cap_bytes=CAP_BYTES, p2p_link=IB, refine_s=args.refine
+            devices=devices, global_batch=GLOBAL_BATCH, memory_cap_bytes=CAP_BYTES, refine_s=args.refine
         )
         walls, cpus = [], []
         result = None
@@ -228,6 +238,8 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores (one used), python {platform.python_version()}",
         "load_average_at_end": os.getloadavg(),
         "command": "python bench/tune_mesh.py --runs " + str(args.runs),
+        "reproduce_one": "octopipe tune PROFILE.json --devices 8192 --global-batch 4096 --memory-cap 80GB "
+        "(PROFILE.json: json_format.MessageToJson(nemotronh_56b_profile()))",
         "results": rows,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
