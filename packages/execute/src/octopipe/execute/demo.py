@@ -152,7 +152,7 @@ class _Step:
 def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str, Any]:
     """The whole job; prints tables on ``console`` (None: silent) and returns the JSON summary."""
     from octopipe.execute import pipeline  # noqa: PLC0415
-    from octopipe.execute.linkprobe import measure_link  # noqa: PLC0415
+    from octopipe.execute.linkprobe import local_links, measure_link  # noqa: PLC0415
     from octopipe.execute.runtime import local_cost_model  # noqa: PLC0415
     from octopipe.simulate import verify_plan  # noqa: PLC0415
     from octopipe.tune import TuneConfig  # noqa: PLC0415
@@ -167,20 +167,17 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
             f"{config.microbatches} micro-batches per step"
         )
     with _progress(console) as progress:
-        step = _Step(progress, "measure the gloo link between two local ranks")
-        link, _ = measure_link(repeats=5)
-        step.done(f"link: {link.latency_us:.0f} us + {link.bandwidth_bytes_per_second / 1e9:.2f} GB/s")
-
-        names = pipeline.layer_names(reference)
-        step = _Step(progress, f"profile F, B, W of {len(names)} layers (one thread)")
+        names = pipeline.layer_names(reference)  # an unknown workload or size fails here, before any wait
+        step = _Step(progress, f"profile F, I, W of {len(names)} layers (one thread)")
         profile = pipeline.profile_reference(
-            reference,
-            num_microbatches=config.microbatches,
-            num_ranks=config.ranks,
-            link=link,
-            repeats=config.profile_repeats,
+            reference, num_microbatches=config.microbatches, num_ranks=config.ranks, repeats=config.profile_repeats
         )
         step.done(f"profiled {len(profile.layers)} layers")
+
+        step = _Step(progress, "measure the gloo link between two local ranks")
+        link, _ = measure_link(repeats=5)
+        profile.links.extend(local_links(link, config.ranks))
+        step.done(f"link: {link.latency_us:.0f} us + {link.bandwidth_bytes_per_second / 1e9:.2f} GB/s")
 
         step = _Step(progress, "tune partition x placement x schedule")
 
