@@ -21,7 +21,10 @@ time-share them (2 ranks per core, pinned). A rank's measured F/B/W includes
 time its core spends on the other rank, and a blocking collective (UNSHARD,
 REDUCE_GRAD, an MoE all-to-all inside F and B) includes waiting for its
 slowest partner. Step-time errors here are dominated by that contention, not by
-the model of the schedule; per-action ratios say more. The simulator's
+the model of the schedule; per-action ratios say more. The profile is taken
+on the same shared machine: with other work running (the load average is in the
+JSON) profiled durations moved by up to 2x between runs of this script, and
+measured step times by up to 1.7x. The simulator's
 UNSHARD counts every parameter byte of the stage, including MoE expert
 weights, which the runtime does not gather (each rank owns its experts), and
 models one ring all-gather of them, where the runtime issues one all-gather per
@@ -212,9 +215,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    load_before = os.getloadavg()
     results = [bench_workload(w, args.steps) for w in args.workloads]
+    load_after = os.getloadavg()
     print(f"mesh fidelity: pp=2 x dp={DP} on 4 gloo ranks over {os.cpu_count()} cores (CONTENDED: 2 ranks per core)")
     print(f"m={M}, sizes {SIZES}; step times are medians of steps 1..{args.steps - 1}")
+    print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}: other work shares these cores too")
     print(
         f"{'workload':<10} {'schedule':<8} {'sim ms':>8} {'meas ms':>8} {'err':>6} {'replay ms':>10} {'replay err':>10}"
     )
@@ -251,7 +257,13 @@ def main() -> None:
                 "caveat": "4 ranks time-share 2 cores (2 per core): measured durations include contention and "
                 "waiting for collective partners; the simulator's UNSHARD counts MoE expert weights the runtime does "
                 "not gather",
-                "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+                "machine": {
+                    "cores": os.cpu_count(),
+                    "python": platform.python_version(),
+                    "torch": torch.__version__,
+                    "load_average_before": load_before,
+                    "load_average_after": load_after,
+                },
                 "dp": DP,
                 "microbatches": M,
                 "sizes": SIZES,
