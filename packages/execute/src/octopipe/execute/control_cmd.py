@@ -81,6 +81,10 @@ def add_parser(sub: Any) -> None:
     submit.add_argument("--seed", type=int, default=0)
     submit.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none)")
     submit.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the run to end")
+    submit.add_argument(
+        "--adapt", type=Path, metavar="PROFILE", help="closed loop: re-tune from measured steps, starting from PROFILE"
+    )
+    submit.add_argument("--adapt-after", type=int, default=0, help="steps to measure before re-tuning (default 3)")
     submit.set_defaults(handler=_submit)
 
     runs = sub.add_parser("runs", help="list a coordinator's runs (or show one)")
@@ -187,6 +191,8 @@ def _print_run(run: Any, as_json: bool) -> None:
         line += f"  checkpoint {run.last_checkpoint_step}"
     if run.error:
         line += f"  error: {run.error}"
+    if run.adapt_report:
+        line += f"  adapt: {run.adapt_report}"
     _out(line)
 
 
@@ -215,10 +221,21 @@ def _submit(args: argparse.Namespace) -> int:
     from octopipe.simulate.ir import load_plan  # noqa: PLC0415
 
     plan = load_plan(args.plan)
+    profile = None
+    if args.adapt is not None:
+        from octopipe.execute.profile_cmd import load_profile  # noqa: PLC0415
+
+        profile = load_profile(args.adapt)
 
     def action(client: Any) -> int:
         run_id = client.submit(
-            plan, steps=args.steps, run_id=args.run_id, checkpoint_every=args.checkpoint_every, seed=args.seed
+            plan,
+            steps=args.steps,
+            run_id=args.run_id,
+            checkpoint_every=args.checkpoint_every,
+            seed=args.seed,
+            adapt_profile=profile,
+            adapt_after_steps=args.adapt_after,
         )
         return _finish(client, run_id, args.wait, args.json)
 

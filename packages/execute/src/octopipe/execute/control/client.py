@@ -14,6 +14,7 @@ from octopipe.execute.control.common import RPC_DEADLINE_S, TERMINAL_STATES
 from octopipe.execute.control.security import CertPaths, secure_channel
 from octopipe.node.v1 import node_pb2
 from octopipe.plan.v1 import plan_pb2
+from octopipe.profile.v1 import profile_pb2
 
 __all__ = ["ControlClient", "ControlError"]
 
@@ -56,11 +57,23 @@ class ControlClient:
         self.close()
 
     def submit(
-        self, plan: plan_pb2.Plan, *, steps: int, run_id: str = "", checkpoint_every: int = 0, seed: int = 0
+        self,
+        plan: plan_pb2.Plan,
+        *,
+        steps: int,
+        run_id: str = "",
+        checkpoint_every: int = 0,
+        seed: int = 0,
+        adapt_profile: profile_pb2.Profile | None = None,
+        adapt_after_steps: int = 0,
     ) -> str:
+        """Submit a plan; with ``adapt_profile`` the coordinator re-tunes it from measured steps (closed loop)."""
         request = coordinator_pb2.SubmitPlanRequest(
             plan=plan, num_steps=steps, run_id=run_id, checkpoint_every=checkpoint_every, seed=seed
         )
+        if adapt_profile is not None:
+            request.adapt, request.adapt_after_steps = True, adapt_after_steps
+            request.profile.CopyFrom(adapt_profile)
         try:
             return self._stub.SubmitPlan(request, timeout=RPC_DEADLINE_S).run_id
         except grpc.RpcError as exc:

@@ -26,11 +26,12 @@ import grpc
 import structlog
 
 from octopipe.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
+from octopipe.execute.control.adapt import measured_gain, retune
 from octopipe.execute.control.common import TERMINAL_STATES, Server, Waiter, start_server, state_name
 from octopipe.execute.control.pushes import RunPusher
 from octopipe.execute.control.security import CertPaths
 from octopipe.execute.control.state import StateStore
-from octopipe.execute.control.submission import check_plan
+from octopipe.execute.control.submission import adapt_problem, check_plan
 from octopipe.execute.runtime.checkpoint import latest_checkpoint
 from octopipe.node.v1 import node_pb2
 from octopipe.plan.v1 import plan_pb2
@@ -46,6 +47,10 @@ _ALLOWED = {f"/{_SERVICE}/{m}": _NODE for m in ("RegisterNode", "Heartbeat")} | 
     for m in ("SubmitPlan", "GetRun", "ListRuns", "CancelRun", "WatchRun", "StreamRunMetrics", "ResumeRun")
 }
 _MAX_RUN_METRICS = 50_000
+#: closed loop: re-tune after this many completed steps unless the submission says otherwise
+DEFAULT_ADAPT_AFTER = 3
+#: switch only when the re-tuned plan is predicted at least this much faster
+MIN_ADAPT_GAIN = 1.03
 
 
 @dataclass(kw_only=True)
@@ -86,6 +91,9 @@ class _RunEntry:
     #: the placement when the run failed, and when: a node lost soon after is named as the cause
     failed_nodes: dict[str, list[int]] = field(default_factory=dict)
     failed_at: float = 0.0
+    #: closed loop: "" (not yet), "busy" (re-tuning), "done"
+    adapt_phase: str = ""
+    done_seen_at: float = 0.0
 
 
 class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -217,8 +225,18 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self._save(entry)
         states = {s.state for s in reports if s.run_id == run.run_id and s.plan_version == run.plan_version}
         if len(reports) == len(entry.placement) and states == {node_pb2.RUN_STATE_DONE}:
+            if entry.submit.adapt and not self._metrics_complete(entry):
+                return  # the closed loop's report needs every step's metrics: the streams are a moment behind
             run.last_checkpoint_step = latest_checkpoint(run.checkpoint_dir) if run.checkpoint_dir else 0
             self._release(entry)
+            if entry.submit.adapt:
+                gain = measured_gain(entry.metrics)
+                if gain is not None:
+                    before, after = gain
+                    run.adapt_report += (
+                        f"; measured median step {before / 1e3:.1f} ms before the switch, {after / 1e3:.1f} ms after "
+                        f"(x{before / after:.3f})"
+                    )
             self._set_state(entry, node_pb2.RUN_STATE_DONE)
         elif run.state == node_pb2.RUN_STATE_STARTING and node_pb2.RUN_STATE_RUNNING in states:
             self._set_state(entry, node_pb2.RUN_STATE_RUNNING)
@@ -230,6 +248,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 self._check_nodes()
                 self._check_restored()
                 self._start_queued()
+                self._check_adapt()
             except Exception:  # the loop must outlive any one bad run
                 self._log.exception("coordinator_loop_error")
 
@@ -312,6 +331,74 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
             with self._lock:
                 self._fail(entry, error)
 
+    def _metrics_complete(self, entry: _RunEntry) -> bool:
+        """Whether every rank's every step has arrived (waits at most 5 s after the nodes say done)."""
+        entry.done_seen_at = entry.done_seen_at or time.monotonic()
+        world = mesh_spec(entry.plan).world_size
+        expected = world * (entry.run.num_steps - (entry.run.last_checkpoint_step if entry.run.resumes else 0))
+        return len(entry.metrics) >= expected or time.monotonic() - entry.done_seen_at > 5.0
+
+    def _measured_steps(self, entry: _RunEntry) -> int:
+        """Steps every rank has reported metrics for, before any plan switch."""
+        world = mesh_spec(entry.plan).world_size
+        return sum(1 for m in entry.metrics if m.plan_switches == 0) // world
+
+    def _check_adapt(self) -> None:
+        with self._lock:
+            ready = [
+                e
+                for e in self._runs.values()
+                if e.submit.adapt
+                and not e.adapt_phase
+                and e.run.state == node_pb2.RUN_STATE_RUNNING
+                and self._measured_steps(e) >= (e.submit.adapt_after_steps or DEFAULT_ADAPT_AFTER)
+            ]
+            for entry in ready:
+                entry.adapt_phase = "busy"
+        for entry in ready:
+            threading.Thread(target=self._adapt, args=(entry,), name="octopipe-adapt", daemon=True).start()
+
+    def _adapt(self, entry: _RunEntry) -> None:
+        """Re-tune from the measured steps (the first skipped) and switch when the gain is worth it."""
+        try:
+            with self._lock:
+                plan = entry.plan
+                timelines = [m.timeline for m in entry.metrics if m.step >= 1 and m.plan_switches == 0]
+            result = retune(plan, entry.submit.profile, timelines)
+            report = (
+                f"after {len(timelines) // mesh_spec(plan).world_size} measured steps (the first skipped): running {plan.labels.get('schedule', plan.name)} "
+                f"predicted {result.current_us / 1e3:.1f} ms/step with measured costs; best {result.name} "
+                f"{result.best_us / 1e3:.1f} ms (x{result.predicted_gain:.3f})"
+            )
+            with self._lock:
+                if entry.run.state != node_pb2.RUN_STATE_RUNNING:
+                    return
+                switch = result.predicted_gain >= MIN_ADAPT_GAIN and result.name != "current"
+                if switch:
+                    entry.run.plan_version += 1
+                    result.plan.version = entry.run.plan_version
+                    addresses = {n: self._nodes[n].address for n in entry.placement if n in self._nodes}
+                    placement = dict(entry.placement)
+                entry.run.adapt_report = report + ("; switching" if switch else "; kept the running plan")
+                self._save(entry)
+            if switch:
+                error = self._pusher.switch(entry.run, result.plan, placement, addresses)
+                with self._lock:
+                    if error:
+                        entry.run.adapt_report += f"; switch failed: {error}"
+                    else:
+                        entry.plan = result.plan
+                        entry.submit.plan.CopyFrom(result.plan)
+                    self._save(entry)
+            self._log.info("adapted", run=entry.run.run_id, report=entry.run.adapt_report)
+        except Exception as exc:  # the run goes on with its plan
+            self._log.exception("adapt_failed", run=entry.run.run_id)
+            with self._lock:
+                entry.run.adapt_report = f"re-tuning failed: {exc}"
+                self._save(entry)
+        finally:
+            entry.adapt_phase = "done"
+
     # -- client RPCs ------------------------------------------------------------------------------
     def SubmitPlan(
         self, request: coordinator_pb2.SubmitPlanRequest, context: grpc.ServicerContext
@@ -328,6 +415,8 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     )
                 return coordinator_pb2.SubmitPlanResponse(run_id=request.run_id, state=existing.run.state)
         problem = check_plan(request.plan, num_steps=request.num_steps)
+        if not problem and request.adapt:
+            problem = adapt_problem(request)
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         run_id = request.run_id or uuid.uuid4().hex[:12]
@@ -342,8 +431,6 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
             run.checkpoint_dir = str((root / run_id).resolve())
         run.submitted_at.GetCurrentTime()
         entry = _RunEntry(submit=submit, run=run, plan=submit.plan)
-        if request.adapt:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "adapt is not available yet: submit without --adapt")
         with self._lock:
             self._runs[run_id] = entry
             self._save(entry)

@@ -42,7 +42,7 @@ from octopipe.execute.control.common import (
 from octopipe.execute.control.security import CertPaths, secure_channel
 from octopipe.execute.linkprobe import free_port
 from octopipe.execute.runtime.models import WORKLOAD_SOURCE
-from octopipe.execute.runtime.worker import ABORT_KEY, WorkerConfig, worker_main
+from octopipe.execute.runtime.worker import ABORT_KEY, WorkerConfig, publish_plan, same_layout, worker_main
 from octopipe.node.v1 import node_pb2, node_pb2_grpc
 from octopipe.simulate.ir import PlanError, mesh_spec, validate_plan
 
@@ -96,6 +96,7 @@ class _Run:
     )
     metrics_seen: int = 0
     response: node_pb2.PushPlanResponse | None = None
+    switches: int = 0
 
 
 class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
@@ -212,6 +213,8 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
 
     # -- RPCs -------------------------------------------------------------------------------------
     def PushPlan(self, request: node_pb2.PushPlanRequest, context: grpc.ServicerContext) -> node_pb2.PushPlanResponse:
+        if request.switch_plan:
+            return self._switch(request)
         with self._lock:
             current = self._run
             if (
@@ -248,6 +251,40 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
         monitor = threading.Thread(target=self._monitor, args=(run,), name=f"octopipe-run-{run.run_id}", daemon=True)
         monitor.start()
         return run.response
+
+    def _switch(self, request: node_pb2.PushPlanRequest) -> node_pb2.PushPlanResponse:
+        """A newer plan for the running run: the store's host publishes it; ranks take it at a step boundary."""
+
+        def answer(reason: str = "") -> node_pb2.PushPlanResponse:
+            return node_pb2.PushPlanResponse(
+                accepted=not reason, reason=reason, version=request.version, nonce=request.nonce
+            )
+
+        with self._lock:
+            run = self._run
+            if run is None or run.run_id != request.run_id or run.state in TERMINAL_STATES:
+                return answer(f"run {request.run_id} is not running on node {self.config.node_id}: nothing to switch")
+            if (run.version, run.nonce) == (request.version, request.nonce):
+                return answer()
+            if request.version <= run.version:
+                return answer(f"version {request.version} is not newer than the running version {run.version}")
+            if not run.request.adaptive:
+                return answer("the run was not started adaptive: submit it with adapt to switch plans while it runs")
+            try:
+                validate_plan(request.plan)
+            except PlanError as exc:
+                return answer(f"invalid plan: {exc}")
+            problem = same_layout(run.request.plan, request.plan)
+            if problem:
+                return answer(f"a running plan can change only its schedule, but {problem}")
+            if run.store is not None:
+                run.switches += 1
+                publish_plan(run.store, run.switches, request.plan)
+            run.version, run.nonce = request.version, request.nonce
+            run.request.plan.CopyFrom(request.plan)
+        self._log.info("plan_switch", run=run.run_id, version=request.version, published=run.store is not None)
+        self._changed.notify()
+        return answer()
 
     def _refusal(self, request: node_pb2.PushPlanRequest, current: _Run | None) -> str:
         if current is not None and current.state not in TERMINAL_STATES:
@@ -315,6 +352,7 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
             checkpoint_every=request.checkpoint_every,
             resume=request.resume,
             die_with_parent=True,
+            adaptive=request.adaptive,
         )
         run.events = self._context.Queue()
         for rank in assignment.ranks:

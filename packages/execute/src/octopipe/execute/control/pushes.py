@@ -84,6 +84,7 @@ class RunPusher:
                 checkpoint_every=submit.checkpoint_every,
                 resume=bool(run.resumes and run.last_checkpoint_step),
                 seed=submit.seed,
+                adaptive=submit.adapt,
             )
             sent_at = time.perf_counter()
             try:
@@ -108,6 +109,25 @@ class RunPusher:
             )
         for node_id in order:
             self._follow(run.run_id, node_id, addresses[node_id])
+        return ""
+
+    def switch(
+        self, run: coordinator_pb2.Run, plan: plan_pb2.Plan, placement: dict[str, list[int]], addresses: dict[str, str]
+    ) -> str:
+        """Push a newer plan to a running run's nodes (the rank-0 node publishes it); return an error or ''."""
+        first = next(node for node, ranks in placement.items() if 0 in ranks)
+        nonce = uuid.uuid4().hex
+        for node_id in [first, *(node for node in placement if node != first)]:
+            request = node_pb2.PushPlanRequest(
+                run_id=run.run_id, version=run.plan_version, nonce=nonce, plan=plan, switch_plan=True
+            )
+            try:
+                response = self.stub(addresses[node_id]).PushPlan(request, timeout=RPC_DEADLINE_S)
+            except grpc.RpcError as exc:
+                return f"plan switch to node {node_id} failed: {exc.code().name}: {exc.details()}"
+            if not response.accepted:
+                return f"node {node_id} refused the plan switch: {response.reason}"
+        self._log.info("plan_switched", run=run.run_id, version=run.plan_version, schedule=plan.labels.get("schedule"))
         return ""
 
     def _follow(self, run_id: str, node_id: str, address: str) -> None:

@@ -7,11 +7,12 @@ simulator's static verifier (deadlocks, missing inputs, unmatched sends).
 
 from __future__ import annotations
 
+from octopipe.coordinator.v1 import coordinator_pb2
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import VerificationError, verify_plan
 from octopipe.simulate.ir import PlanError, mesh_spec
 
-__all__ = ["MAX_ACTIONS", "MAX_MICROBATCHES", "MAX_RANKS", "check_plan"]
+__all__ = ["MAX_ACTIONS", "MAX_MICROBATCHES", "MAX_RANKS", "adapt_problem", "check_plan"]
 
 MAX_RANKS = 16_384
 MAX_MICROBATCHES = 65_536
@@ -45,4 +46,17 @@ def check_plan(plan: plan_pb2.Plan, *, num_steps: int = 0, like: plan_pb2.Plan |
         return "the plan nests actions too deeply"
     if like is not None and _layers(plan) != _layers(like):
         return "the new plan must hold the same layers as the run's plan (a resume keeps the model)"
+    return ""
+
+
+def adapt_problem(request: coordinator_pb2.SubmitPlanRequest) -> str:
+    """What keeps a submission from running with the closed loop (empty when nothing)."""
+    if not request.HasField("profile") or not request.profile.layers:
+        return "adapt needs the plan's profile (from `octopipe profile`) in the submission"
+    profiled = {layer.layer_name for layer in request.profile.layers}
+    missing = sorted({name for stage in request.plan.stages for name in stage.layer_names} - profiled)
+    if missing:
+        return f"the profile has no costs for layers {missing[:5]}: profile the plan's model"
+    if request.num_steps and request.num_steps <= (request.adapt_after_steps or 3) + 1:
+        return "adapt needs more steps than adapt_after_steps + 1 to measure before switching"
     return ""

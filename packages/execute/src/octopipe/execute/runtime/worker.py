@@ -33,9 +33,11 @@ from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate.ir import rank_actions, stage_ranks
 from octopipe.transform import BWSplit, StageExecutable, split_backward
 
-__all__ = ["ABORT_KEY", "StepEvents", "WorkerConfig", "worker_main"]
+__all__ = ["ABORT_KEY", "PLAN_KEY", "StepEvents", "WorkerConfig", "publish_plan", "same_layout", "worker_main"]
 
 ABORT_KEY = "octopipe/abort"
+#: ``<PLAN_KEY>/<n>``: the n-th plan an adaptive run switches to (see ``publish_plan``)
+PLAN_KEY = "octopipe/plan"
 
 
 class StepEvents(Protocol):
@@ -71,6 +73,8 @@ class WorkerConfig:
     resume: bool = False
     #: Linux: the kernel kills this rank when the process that started it dies (a node daemon's ranks)
     die_with_parent: bool = False
+    #: at every step boundary, take a newer plan from the store if one was published (``publish_plan``)
+    adaptive: bool = False
 
 
 class _Recorder:
@@ -149,6 +153,36 @@ def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
         raise SystemExit(1) from None
 
 
+def publish_plan(store: dist.Store, switch: int, plan: plan_pb2.Plan) -> None:
+    """Offer ``plan`` as the run's ``switch``-th plan switch (1, 2, ...) to adaptive ranks."""
+    store.set(f"{PLAN_KEY}/{switch}", plan.SerializeToString())  # type: ignore[arg-type]  # bytes are taken as-is
+
+
+def same_layout(old: plan_pb2.Plan, new: plan_pb2.Plan) -> str:
+    """Why ``new`` cannot replace ``old`` in a running job ('' when only the schedule differs)."""
+    if [(tuple(s.layer_names), s.rank) for s in old.stages] != [(tuple(s.layer_names), s.rank) for s in new.stages]:
+        return "its stages or their placement differ"
+    if old.num_microbatches != new.num_microbatches or len(old.ranks) != len(new.ranks):
+        return "its micro-batch or rank count differs"
+    if old.mesh.SerializeToString(deterministic=True) != new.mesh.SerializeToString(deterministic=True):
+        return "its mesh differs"
+    return ""
+
+
+def _next_plan(store: dist.Store, rank: int, switches: int, plan: plan_pb2.Plan) -> plan_pb2.Plan | None:
+    """Whether every rank switches plans now: rank 0 looks in the store and tells the others (a collective)."""
+    key = f"{PLAN_KEY}/{switches + 1}"
+    flag = torch.tensor([1 if rank == 0 and store.check([key]) else 0], dtype=torch.int64)
+    dist.broadcast(flag, src=0)
+    if not flag.item():
+        return None
+    new = plan_pb2.Plan.FromString(store.get(key))
+    problem = same_layout(plan, new)
+    if problem:
+        raise RuntimeError(f"plan switch {switches + 1} refused: {problem}; a switch may change only the schedule")
+    return new
+
+
 @dataclass
 class _CaptureCache:
     """Captured and split stages by (layer names, last stage?, input shapes): reused across plans."""
@@ -191,7 +225,6 @@ def _run_plan(
     rank, m = config.rank, plan.num_microbatches
     mesh = MeshRank.create(plan, rank, config.world_size)  # a pp x dp mesh's groups (collective); see runtime.mesh
     prank = mesh.pipeline_rank  # the pipeline rank whose program this process runs (= rank without a mesh)
-    programs = rank_actions(plan)
     placement = stage_ranks(plan)
     built = mesh.replica_model(build_model(plan.model, seed=config.seed), m)  # batch(step): this replica's slice
     stages = split_model(built.model, [list(s.layer_names) for s in plan.stages])
@@ -218,19 +251,24 @@ def _run_plan(
     def aborted() -> str | None:
         return store.get(ABORT_KEY).decode() if store.check([ABORT_KEY]) else None
 
-    p2p = P2P(
-        rank=prank,
-        peers=mesh.peers,
-        programs=programs,
-        stage_rank=placement,
-        num_microbatches=m,
-        buffer_spec=buffer_spec,
-        timeout_s=config.timeout_s,
-        aborted=aborted,
-    )
-    runtime = RankRuntime(
-        rank=prank, program=programs[prank], stages=executables, stage_rank=placement, num_microbatches=m, p2p=p2p
-    )
+    def make_runtime(current: plan_pb2.Plan) -> RankRuntime:
+        programs = rank_actions(current)
+        p2p = P2P(
+            rank=prank,
+            peers=mesh.peers,
+            programs=programs,
+            stage_rank=placement,
+            num_microbatches=m,
+            buffer_spec=buffer_spec,
+            timeout_s=config.timeout_s,
+            aborted=aborted,
+        )
+        return RankRuntime(
+            rank=prank, program=programs[prank], stages=executables, stage_rank=placement, num_microbatches=m, p2p=p2p
+        )
+
+    runtime = make_runtime(plan)
+    switches = 0
     params = {name: param for s in mine for name, param in stages[s].named_parameters()}
     optimizer = torch.optim.AdamW(list(params.values()), lr=config.learning_rate, foreach=False)
     losses: list[float] = []
@@ -242,6 +280,11 @@ def _run_plan(
         microbatches = _split_batch(*built.batch(step), m)
         fail_after = config.fail_at[1] if config.fail_at is not None and config.fail_at[0] == step else None
         recorder = _Recorder(fail_after)
+        if config.adaptive:
+            switched = _next_plan(store, rank, switches, plan)
+            if switched is not None:  # a newer plan (same layout) from the closed loop, from this step on
+                plan, switches = switched, switches + 1
+                runtime = make_runtime(plan)
         dist.barrier()  # ranks start each step together, so measured timelines line up
         step_start = time.perf_counter_ns()
         loss = runtime.run_step(step, microbatches, on_action=recorder)
@@ -274,6 +317,7 @@ def _run_plan(
                     "end_ns": step_end,
                     "records": timelines[-1]["records"],
                     "checkpoint": saved,
+                    "plan_switches": switches,
                 }
             )
     return {

@@ -1,0 +1,61 @@
+"""The closed loop: a run started with a poor schedule is re-tuned from its measured steps and switches
+plans at a step boundary without restarting; every step's loss still equals the local launcher's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from octopipe.execute.control import LocalCluster
+from octopipe.execute.pipeline import profile_reference
+from octopipe.execute.runtime import run_local
+from octopipe.node.v1 import node_pb2
+from octopipe.plan.v1 import plan_pb2
+from octopipe.simulate.ir import Action, ActionKind, StageSpec, add_p2p_actions, build_plan
+from tests.execute.control_cluster import llama_plan
+
+pytestmark = pytest.mark.slow
+
+
+def sequential(plan: plan_pb2.Plan) -> plan_pb2.Plan:
+    """The same stages run one micro-batch at a time through the whole pipe: correct, and slow."""
+    ranks, m = len(plan.ranks), plan.num_microbatches
+    compute: dict[int, list[Action]] = {r: [] for r in range(ranks)}
+    for mb in range(m):
+        for stage in range(ranks):
+            compute[stage].append(Action(ActionKind.FORWARD, stage, mb))
+        for stage in reversed(range(ranks)):
+            compute[stage].append(Action(ActionKind.FULL_BACKWARD, stage, mb))
+    placement = {s.stage_index: s.rank for s in plan.stages}
+    slow = build_plan(
+        stages=[StageSpec(rank=s.rank, layer_names=tuple(s.layer_names)) for s in plan.stages],
+        actions=add_p2p_actions(compute, placement),
+        num_microbatches=m,
+        name="sequential",
+        model=plan.model,
+        labels={"schedule": "sequential"},
+    )
+    return slow
+
+
+def test_a_slow_plan_is_switched_at_a_step_boundary_and_losses_stay_exact(tmp_path: Path) -> None:
+    plan = sequential(llama_plan(2, 4))
+    steps = 24
+    expected = run_local(plan, steps=steps, pin_cores=False).losses
+    profile = profile_reference(plan.model, num_microbatches=plan.num_microbatches, repeats=2)
+    with LocalCluster(tmp_path) as running, running.client() as client:
+        running.add_node("node0")
+        running.add_node("node1")
+        run_id = client.submit(plan, steps=steps, adapt_profile=profile, adapt_after_steps=3)
+        run = client.wait(run_id, timeout_s=240)
+        metrics = client.metrics(run_id)
+    assert run.state == node_pb2.RUN_STATE_DONE, run.error
+    print(run.adapt_report)  # the closed loop's report, for the record (-s)
+    assert "switching" in run.adapt_report, run.adapt_report
+    assert "measured median step" in run.adapt_report, run.adapt_report
+    assert run.plan_version == 2
+    switches = {m.step: m.plan_switches for m in metrics if m.rank == 0}
+    assert switches[0] == 0 and switches[steps - 1] == 1  # switched once, between steps
+    losses = [m.loss for m in sorted(metrics, key=lambda m: m.step) if m.rank == 1]
+    assert losses == expected  # the new schedule computes the same bits
