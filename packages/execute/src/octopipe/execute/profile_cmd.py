@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     from octopipe.examples import ModelConfig, workload  # noqa: PLC0415
     from octopipe.execute.linkprobe import local_links, measure_link  # noqa: PLC0415
+    from octopipe.execute.progress import spinner  # noqa: PLC0415
     from octopipe.plan.v1 import plan_pb2  # noqa: PLC0415
     from octopipe.transform import ProfilerConfig, format_profile, profile_layers  # noqa: PLC0415
 
@@ -74,18 +75,20 @@ def run(args: argparse.Namespace) -> int:
     model = chosen.model(seed=0)
     tokens, targets = chosen.batch(seed=0)
     size = args.microbatch_size or chosen.microbatch_size
-    links = local_links(measure_link()[0], args.ranks) if args.link else []
+    with spinner("measuring the gloo link between two local ranks ...", enabled=args.link and not args.json):
+        links = local_links(measure_link()[0], args.ranks) if args.link else []
     reference = plan_pb2.ModelReference(name=chosen.name, source="octopipe.examples:workload")
     reference.config["sequence"] = str(chosen.sequence)
     reference.config["tiny"] = str(args.tiny).lower()
-    profile = profile_layers(
-        model,
-        tokens[:size],
-        targets[:size],
-        config=ProfilerConfig(repeats=args.repeats),
-        links=links,
-        model_reference=reference,
-    )
+    with spinner(f"profiling F, I, W of {args.workload}'s layers ...", enabled=not args.json):
+        profile = profile_layers(
+            model,
+            tokens[:size],
+            targets[:size],
+            config=ProfilerConfig(repeats=args.repeats),
+            links=links,
+            model_reference=reference,
+        )
     save_profile(profile, args.out)
     if args.json:
         sys.stdout.write(

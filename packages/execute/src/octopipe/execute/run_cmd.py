@@ -79,7 +79,10 @@ def run(args: argparse.Namespace) -> int:
     if args.torchrun:
         return _join_torchrun(plan, args)
     simulation = simulate(plan, local_cost_model(plan, load_profile(args.profile))) if args.profile else None
-    result = run_local(plan, steps=args.steps, seed=args.seed, timeout_s=args.timeout, pin_cores=not args.no_pin)
+    from octopipe.execute.progress import spinner  # noqa: PLC0415
+
+    with spinner(f"running {args.steps} steps on {len(plan.ranks)} local ranks ...", enabled=not args.json):
+        result = run_local(plan, steps=args.steps, seed=args.seed, timeout_s=args.timeout, pin_cores=not args.no_pin)
     times = measured_step_times_us(result)
     if args.timeline:
         message = profile_pb2.Profile(device="cpu")
