@@ -262,3 +262,35 @@ def test_small_groups_take_the_node_link() -> None:
     both.collectives[0].bandwidth_bytes_per_second = 1e9
     with pytest.raises(ValueError, match="not both"):
         GroupLinks.from_profile(both)
+
+
+def test_expert_parallel_shares_by_hand() -> None:
+    """dp = 4, ep = 2; 1000 parameter bytes of which 800 in experts; gradients 1000, optimizer state 2000.
+
+    A rank holds whole the dense 200 and half the experts (400): UNSHARD gathers 200 over 4 ranks and 400 over
+    the 2 replicas that share its experts; static bytes are 1/dp of everything (1000)."""
+    stage = StageCost(
+        forward_us=1,
+        backward_input_us=1,
+        backward_weight_us=1,
+        parameter_bytes=1000,
+        expert_parameter_bytes=800,
+        gradient_bytes=1000,
+        optimizer_state_bytes=2000,
+    )
+    link = Link(latency_us=0.25, bandwidth_bytes_per_second=1e9)
+    costs = CostModel(stages=(stage,), collectives=GroupLinks(data_parallel=link))
+    simulation = simulate(one_rank(HAND, dp=4, ep=2), costs)
+    timeline = {t.action: (t.start_us, t.end_us) for t in simulation.timeline()}
+    gather = all_gather_us(link, 4, 200) + all_gather_us(link, 2, 400)
+    assert timeline["0UNSHARD"] == (0.0, gather)
+    start, end = timeline["0REDUCE_GRAD"]
+    assert end == start + (reduce_scatter_us(link, 4, 200) + reduce_scatter_us(link, 2, 400))
+    b0 = timeline["0B0"][0]
+    assert simulation.memory_curve(0) == [(0.0, 1000 + 600), (b0, 1000 + 600 + 600), (end, 1000)]
+    replicated = one_rank(HAND.replace("0UNSHARD ", "").replace(" 0RESHARD", ""), dp=4, ep=2)
+    assert simulate(replicated, costs).estimate.ranks[0].static_memory_bytes == 600 + 600 + 1200
+    # ep = 1: the experts are not split
+    assert simulate(one_rank(HAND, dp=4), costs).memory_curve(0)[0] == (0.0, 1000 + 1000)
+    with pytest.raises(ValueError, match="at most parameter_bytes"):
+        StageCost(parameter_bytes=10, expert_parameter_bytes=11)

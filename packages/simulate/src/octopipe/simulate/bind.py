@@ -11,13 +11,21 @@ Plans with a mesh of dp > 1 (data parallelism; see ``octopipe.simulate.ir.mesh``
   and its two halves' all-to-alls: each half's all-to-all runs under the other
   half's compute). Formulas: ``octopipe.simulate.collectives``. Measured
   ``durations_us`` win over all of this.
+* expert parallelism (ep > 1): of a stage's bytes, the experts' share
+  (``StageCost.expert_parameter_bytes`` / ``parameter_bytes``, the same share of
+  gradients and optimizer state) is split over the ep group: a rank holds whole
+  the dense part and 1/ep of the experts; UNSHARD / REDUCE_GRAD move the dense
+  part over the dp group and the rank's experts over the dp/ep replicas that
+  share them (two collectives, one after the other);
 * memory: a stage with UNSHARD is sharded (FSDP): its parameters, gradients
-  and optimizer state count 1/dp (rounded up) as static bytes; UNSHARD holds
+  and optimizer state count 1/dp (rounded up) as static bytes (experts
+  included: 1/ep of them over dp/ep replicas is also 1/dp); UNSHARD holds
   the unsharded parameters until RESHARD (as without a mesh); its unsharded
   gradients are held from the start of its first weight-gradient computation
   (W, B, or an OVERLAP_F_B with a B of it) until REDUCE_GRAD ends, after which
-  only the sharded gradients (in the static bytes) remain. A stage without
-  UNSHARD is replicated: whole static bytes, as without a mesh.
+  only the sharded gradients (in the static bytes) remain; unsharded means the
+  rank's share (dense + experts / ep). A stage without UNSHARD is replicated:
+  its share of whole static bytes.
 
 Without a mesh (or with dp = ep = 1) nothing here changes a duration or a byte.
 """
@@ -88,7 +96,7 @@ def bind(program: Program, costs: CostModel) -> Bound:
     saved = [stage.activation_bytes for stage in costs.stages]
     freed_by_input = [stage.freed_by_backward_input_bytes for stage in costs.stages]
     unsharded_bytes = [
-        stage.parameter_bytes if stage.unsharded_bytes is None else stage.unsharded_bytes for stage in costs.stages
+        _local(stage, _held(stage), program.ep) if program.dp > 1 else _held(stage) for stage in costs.stages
     ]
     frees_by_kind: dict[int, list[int]] = {
         F: [0] * num_stages,
@@ -146,7 +154,14 @@ def bind(program: Program, costs: CostModel) -> Bound:
         cost = costs.stages[stage]
         if program.dp > 1 and stage in program.sharded_stages:
             static[rank] += _sharded_static(cost, program.dp)
-            _hold_gradients(program, rank, stage, cost.gradient_bytes, unsharded[rank], released[rank])
+            gradients = _local(cost, cost.gradient_bytes, program.ep)
+            _hold_gradients(program, rank, stage, gradients, unsharded[rank], released[rank])
+        elif program.dp > 1:
+            ep = program.ep
+            static[rank] += sum(
+                _local(cost, size, ep)
+                for size in (cost.parameter_bytes, cost.gradient_bytes, cost.optimizer_state_bytes)
+            )
         else:
             static[rank] += cost.static_bytes
     return Bound(
@@ -171,14 +186,21 @@ def _mesh_durations(program: Program, costs: CostModel, table: dict[tuple[int, i
     for stage, rank in enumerate(program.placement):
         cost = costs.stages[stage]
         if program.dp > 1:
+            dp, ep = program.dp, program.ep
+            dense_link = links.data_parallel_link(rank, dp)
+            expert_link = links.data_parallel_link(rank, dp // ep)
             if (stage, ActionKind.UNSHARD) not in measured:
-                held = cost.parameter_bytes if cost.unsharded_bytes is None else cost.unsharded_bytes
-                table[stage, UNSHARD] = all_gather_us(links.data_parallel_link(rank, program.dp), program.dp, held)
+                held = _held(cost)
+                expert = _expert_part(cost, held) if ep > 1 else 0
+                table[stage, UNSHARD] = all_gather_us(dense_link, dp, held - expert)
+                if expert:
+                    table[stage, UNSHARD] += all_gather_us(expert_link, dp // ep, -(-expert // ep))
             if (stage, ActionKind.REDUCE_GRAD) not in measured:
                 reduce = reduce_scatter_us if stage in program.sharded_stages else all_reduce_us
-                table[stage, REDUCE_GRAD] = reduce(
-                    links.data_parallel_link(rank, program.dp), program.dp, cost.gradient_bytes
-                )
+                expert = _expert_part(cost, cost.gradient_bytes) if ep > 1 else 0
+                table[stage, REDUCE_GRAD] = reduce(dense_link, dp, cost.gradient_bytes - expert)
+                if expert:
+                    table[stage, REDUCE_GRAD] += reduce(expert_link, dp // ep, -(-expert // ep))
         if program.ep > 1 and cost.all_to_all_bytes:
             link = links.expert_parallel_link(rank, program.ep)
             a2a[stage] = all_to_all_us(link, program.ep, cost.all_to_all_bytes)
@@ -186,6 +208,26 @@ def _mesh_durations(program: Program, costs: CostModel, table: dict[tuple[int, i
                 if (stage, _KINDS[code]) not in measured:
                     table[stage, code] += a2a[stage]
     return a2a
+
+
+def _held(cost: StageCost) -> int:
+    """What UNSHARD gathers and holds: ``unsharded_bytes``, else the parameter bytes."""
+    return cost.parameter_bytes if cost.unsharded_bytes is None else cost.unsharded_bytes
+
+
+def _expert_part(cost: StageCost, size: int) -> int:
+    """Of ``size`` bytes (parameters, gradients, optimizer state), the experts' share."""
+    if not cost.expert_parameter_bytes or not cost.parameter_bytes:
+        return 0
+    return size * cost.expert_parameter_bytes // cost.parameter_bytes
+
+
+def _local(cost: StageCost, size: int, ep: int) -> int:
+    """Of ``size`` bytes, what one rank holds whole with ep-way expert parallelism: dense + experts / ep."""
+    if ep == 1:
+        return size
+    expert = _expert_part(cost, size)
+    return size - expert + -(-expert // ep)
 
 
 def _sharded_static(cost: StageCost, dp: int) -> int:

@@ -54,6 +54,8 @@ class StageCost:
     parameter bytes). ``all_to_all_bytes``: what each rank of an
     expert-parallel group sends in the stage's MoE all-to-alls in one F (and
     again in one I or B); timed only in plans whose mesh has ep > 1.
+    ``expert_parameter_bytes``: the part of ``parameter_bytes`` in MoE experts,
+    which a mesh with ep > 1 splits over the expert-parallel group.
     """
 
     forward_us: float = 0.0
@@ -70,6 +72,7 @@ class StageCost:
     unshard_us: float = 0.0
     reduce_grad_us: float = 0.0
     all_to_all_bytes: int = 0
+    expert_parameter_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("forward_us", "backward_input_us", "backward_weight_us", "unshard_us", "reduce_grad_us"):
@@ -90,9 +93,15 @@ class StageCost:
             "optimizer_state_bytes",
             "output_bytes",
             "all_to_all_bytes",
+            "expert_parameter_bytes",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"StageCost.{name} must be >= 0, got {getattr(self, name)}")
+        if self.expert_parameter_bytes > self.parameter_bytes:
+            raise ValueError(
+                f"StageCost.expert_parameter_bytes ({self.expert_parameter_bytes}) must be at most parameter_bytes "
+                f"({self.parameter_bytes}): the experts are part of the stage's parameters"
+            )
 
     @property
     def static_bytes(self) -> int:
@@ -342,6 +351,7 @@ def _stage_cost(
             unshard_us=0.0 if bandwidth is None else params / bandwidth * 1e6,
             reduce_grad_us=0.0 if bandwidth is None else grads / bandwidth * 1e6,
             all_to_all_bytes=sum(c.all_to_all_bytes for c in costs),
+            expert_parameter_bytes=sum(c.expert_parameter_bytes for c in costs),
         )
     except ValueError as exc:
         raise ValueError(f"stage {index} (layers {list(names)}): {exc}") from None

@@ -121,6 +121,7 @@ class Layers:
             optimizer_state_bytes=sum(c.optimizer_state_bytes for c in costs),
             output_bytes=sum(t.size_bytes for t in costs[-1].output_tensors) if costs else 0,
             all_to_all_bytes=sum(c.all_to_all_bytes for c in costs),
+            expert_parameter_bytes=sum(c.expert_parameter_bytes for c in costs),
         )
 
 
