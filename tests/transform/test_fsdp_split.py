@@ -231,3 +231,24 @@ def test_getitem_of_split_counts_as_layout() -> None:
     parts = graph.call_function(_aten.split.Tensor, (x, 2))
     item = graph.call_function(operator.getitem, (parts, 0))
     assert is_layout(parts) and is_layout(item)
+
+
+def _exclude_keeps_parameters_whole(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = llama(1, ModelConfig.tiny())
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    kept = "layers.0.ffn.w1.weight"
+    with pytest.raises(ValueError, match="does not have"):
+        shard_parameters(copy.deepcopy(model), default_group(), exclude=["layers.0.ffn.nope"])
+    specs = shard_parameters(model, default_group(), exclude=[kept])
+    assert kept not in specs and len(specs) == len(full) - 1
+    params = dict(model.named_parameters())
+    assert torch.equal(params[kept], full[kept])  # whole and local
+    other = "layers.0.ffn.w2.weight"
+    assert params[other].shape[0] == -(-full[other].shape[0] // world)  # sharded
+    assert torch.equal(model.layers[0].ffn.w1.weight, full[kept])  # reading it gathers nothing
+    assert torch.equal(unshard_tensor(params[other], specs[other]), full[other])
+
+
+def test_shard_parameters_leaves_excluded_parameters_whole() -> None:
+    run_ranks(_exclude_keeps_parameters_whole, 2)
