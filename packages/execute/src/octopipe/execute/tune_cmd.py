@@ -59,7 +59,7 @@ def add_parser(sub: Any) -> None:
     mesh.add_argument(
         "--collective-bandwidth",
         type=parse_bytes,
-        help="data-parallel ring bandwidth per rank, e.g. 50GB/s (default: the profile's collectives)",
+        help="data-parallel ring bandwidth per rank, e.g. 50GB/s (replaces the profile's collectives; default: them)",
     )
     mesh.add_argument("--collective-latency-us", type=float, default=5.0, help="per ring hop (default 5)")
     mesh.add_argument("--p2p-bandwidth", type=parse_bytes, help="pipeline sends, e.g. 50GB/s (default: profile links)")

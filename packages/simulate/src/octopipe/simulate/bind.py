@@ -16,7 +16,8 @@ Plans with a mesh of dp > 1 (data parallelism; see ``octopipe.simulate.ir.mesh``
   gradients and optimizer state) is split over the ep group: a rank holds whole
   the dense part and 1/ep of the experts; UNSHARD / REDUCE_GRAD move the dense
   part over the dp group and the rank's experts over the dp/ep replicas that
-  share them (two collectives, one after the other);
+  share them (two collectives, one after the other; the second timed with the
+  data-parallel link for a group of dp/ep ranks);
 * memory: a stage with UNSHARD is sharded (FSDP): its parameters, gradients
   and optimizer state count 1/dp (rounded up) as static bytes (experts
   included: 1/ep of them over dp/ep replicas is also 1/dp); UNSHARD holds

@@ -195,6 +195,12 @@ def tune_mesh(
     for pp in degrees:
         dp = config.devices // pp
         if pp > len(layers):
+            why = f"{pp} pipeline ranks need at least {pp} layers; the profile has {len(layers)}"
+            candidates.append(
+                MeshCandidate(
+                    pp=pp, dp=dp, num_microbatches=0, microbatch_size=0, step_time_us=0, fits=False, reason=why
+                )
+            )
             continue
         if config.global_batch % (dp * b) or dp % config.ep:
             why = (
@@ -239,7 +245,7 @@ def tune_mesh(
         if best is None or score < best[0]:
             best = (score, ev, candidate, plan, label)
     if best is None:
-        reasons = "; ".join(f"pp={c.pp}: {c.reason}" for c in candidates) or "every pp has more stages than layers"
+        reasons = "; ".join(f"pp={c.pp}: {c.reason}" for c in candidates)
         raise ValueError(
             f"no pp x dp x m for {config.devices} devices and global batch {config.global_batch} can run ({reasons}): "
             "give a global batch that dp x micro-batch size divides, an ep that divides dp, or fewer devices"
