@@ -46,19 +46,22 @@ from octopipe.tune import (
     place_collectives,
     zb_h1,
 )
+from tests.execute.test_runtime import overlapped_1f1b
 
 DP = 2
 M = 4
 
 
 def mesh_plans(workload: str, *, ep: int) -> list[plan_pb2.Plan]:
-    """1F1B, ZB-H1 (I/W split) and interleaved 1F1B (two stages per rank) on pp=2 x dp=2, with FSDP actions."""
+    """1F1B, ZB-H1 (I/W split), interleaved 1F1B (two stages per rank) and 1F1B with OVERLAP_F_B (multiplexed
+    graphs over gathered parameters) on pp=2 x dp=2, with FSDP actions."""
     reference = workload_reference(workload, tiny=True, sequence=8, global_batch=DP * M)
     names = build_model(reference).model.pipeline_layers()  # type: ignore[operator]
     plans = [
         one_f_one_b(2, M, layer_names=equal_partition(names, 2)),
         zb_h1(2, M, layer_names=equal_partition(names, 2)),
         interleaved_1f1b(2, 2, M, layer_names=equal_partition(names, 4)),
+        overlapped_1f1b(2, M, layer_names=equal_partition(names, 2)),
     ]
     out = []
     for plan in plans:
@@ -93,6 +96,7 @@ def assert_matches_reference(plans: Sequence[plan_pb2.Plan], runs: Sequence[RunR
 @pytest.mark.slow
 def test_llama_pp2_dp2_equals_the_reference() -> None:
     plans = mesh_plans("llama-8", ep=1)
+    assert any(a.kind.name == "OVERLAP_F_B" for a in rank_actions(plans[3])[0])
     runs = run_local_many(plans, steps=3, keep_grads=True, keep_params=True, timeout_s=180, pin_cores=False)
     assert_matches_reference(plans, runs)
 

@@ -201,7 +201,7 @@ class RankRuntime:
         """Run the program once; return the mean loss if this rank holds the last stage."""
         state = _StepState(static=self.static)
         for stage in self.sharded:  # last step's gathered parameters are stale after the optimizer step
-            self.stages.pop(stage, None)
+            self._drop_gathered(stage)
         self._reduced.clear()
         self._resharded.clear()
         self._restatic()
@@ -346,7 +346,7 @@ class RankRuntime:
             self.stages[stage] = sharded.unshard()
             self._resharded.discard(stage)
         elif kind is ActionKind.RESHARD:
-            self.stages.pop(stage, None)
+            self._drop_gathered(stage)
             self._resharded.add(stage)
         else:
             if stage in self._reduced:
@@ -356,3 +356,9 @@ class RankRuntime:
             self.grads[stage] = sharded.reduce_grad(self.grads[stage])
             self._reduced.add(stage)
         self._restatic()
+
+    def _drop_gathered(self, stage: int) -> None:
+        """Forget a sharded stage's gathered parameters (and multiplexed graphs bound to them), so they can be freed."""
+        self.stages.pop(stage, None)
+        for key in [k for k in self._overlaps if stage in k[:2]]:
+            del self._overlaps[key]
