@@ -16,6 +16,8 @@ from tests.repo.test_layering import PROTO_AREAS, imported_modules
 IMPORT_TO_DIST = {
     "google": "protobuf",
     "grpc": "grpcio",
+    "grpc_health": "grpcio-health-checking",
+    "cryptography": "cryptography",
     "torch": "torch",
     "structlog": "structlog",
     "rich": "rich",
