@@ -78,13 +78,18 @@ def test_show_example_as_every_format(capsys: pytest.CaptureFixture[str]) -> Non
     assert capsys.readouterr().out.splitlines()[0] == "0F0,0F1,0B0,0F2,0B1,0F3,0B2,0B3"
 
 
-def test_convert_between_formats(tmp_path: Path) -> None:
+def test_convert_between_formats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = tmp_path / "p.txt"
     text.write_text(plan_to_text(one_f_one_b(3, 5)))
     assert main(["plan", "convert", str(text), str(tmp_path / "p.binpb")]) == EXIT_OK
     assert main(["plan", "convert", str(tmp_path / "p.binpb"), str(tmp_path / "p.json")]) == EXIT_OK
     assert load_plan(tmp_path / "p.json") == one_f_one_b(3, 5)
     assert main(["plan", "convert", str(tmp_path / "p.json"), str(tmp_path / "p.csv")]) == EXIT_OK
+    assert main(["plan", "convert", str(tmp_path / "p.json"), str(tmp_path / "q.txt"), "--json"]) == EXIT_OK
+    written = json.loads(capsys.readouterr().out)
+    assert written["format"] == "text" and written["ranks"] == 3 and written["stages"] == 3
+    assert main(["plan", "show", str(tmp_path / "q.txt"), "--json"]) == EXIT_OK
+    assert json.loads(capsys.readouterr().out)["num_microbatches"] == 5
     assert (tmp_path / "p.csv").read_text().splitlines()[2].startswith("2RECV_F0,2F0,2B0,2SEND_B0")
 
 

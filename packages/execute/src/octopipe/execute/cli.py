@@ -90,12 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--microbatches", type=int, default=4, help="micro-batches of the example plan")
     show.add_argument("--as", dest="fmt", choices=("grid", "text", "csv", "json"), default="grid")
     show.add_argument("--compute-only", action="store_true", help="grid/csv: leave out communication")
+    show.add_argument("--json", action="store_true", help="the same as --as json")
 
     convert = plan_sub.add_parser("convert", help="convert a plan file between formats")
     convert.add_argument("source", type=Path)
     convert.add_argument("destination", type=Path)
     convert.add_argument("--from", dest="from_format", choices=_FORMATS, help="default: from the suffix")
     convert.add_argument("--to", dest="to_format", choices=_FORMATS, help="default: from the suffix")
+    convert.add_argument("--json", action="store_true", help="print what was written as JSON")
 
     profile_cmd.add_parser(sub)
     tune_cmd.add_parser(sub)
@@ -117,6 +119,8 @@ def _example(name: str, ranks: int, microbatches: int) -> plan_pb2.Plan:
 
 def _plan_show(args: argparse.Namespace) -> int:
     plan = _example(args.example, args.ranks, args.microbatches) if args.example else load_plan(args.path)
+    if args.json:
+        args.fmt = "json"
     if args.fmt == "grid":
         sys.stdout.write(format_grid(plan, compute_only=args.compute_only))
     elif args.fmt == "text":
@@ -139,6 +143,20 @@ def _plan_convert(args: argparse.Namespace) -> int:
     structlog.get_logger("octopipe.cli").info(
         "plan_converted", source=str(args.source), destination=str(args.destination)
     )
+    if args.json:
+        from octopipe.execute.jsonout import print_json  # noqa: PLC0415
+        from octopipe.simulate.ir import plan_format_for  # noqa: PLC0415
+
+        print_json(
+            {
+                "source": str(args.source),
+                "destination": str(args.destination),
+                "format": args.to_format or plan_format_for(args.destination),
+                "plan": plan.name,
+                "ranks": len(plan.ranks),
+                "stages": len(plan.stages),
+            }
+        )
     return EXIT_OK
 
 
