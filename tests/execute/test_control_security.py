@@ -177,3 +177,20 @@ def test_re_pushes_with_the_same_nonce_are_idempotent_and_old_versions_refused(r
     assert not answer.accepted and "not newer" in answer.reason
     stopped = node_stub.StopRun(node_pb2.StopRunRequest(run_id="direct"), timeout=30)
     assert stopped.state in (node_pb2.RUN_STATE_CANCELLED, node_pb2.RUN_STATE_DONE)
+
+
+def test_nothing_from_the_network_is_unpickled() -> None:
+    """The control plane speaks protobuf only; checkpoints and results load with weights_only=True."""
+    import re
+
+    root = Path(__file__).parents[2] / "packages" / "execute" / "src" / "octopipe" / "execute"
+    for path in [
+        *(root / "control").glob("*.py"),
+        root / "runtime" / "checkpoint.py",
+        root / "runtime" / "launcher.py",
+    ]:
+        text = path.read_text()
+        assert not re.search(r"\bpickle\b|\bmarshal\b|\bdill\b", text), path
+        for match in re.finditer(r"torch\.load\(", text):
+            call = text[match.start() : text.find("\n", match.start())]
+            assert "weights_only=True" in call, (path, call)
