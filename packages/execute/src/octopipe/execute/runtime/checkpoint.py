@@ -45,29 +45,45 @@ def latest_checkpoint(folder: str | Path) -> int:
     return max(steps, default=0)
 
 
-def _state(params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def _state(
+    params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer, suffix: str
+) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for name, param in params.items():
-        state[f"param/{name}"] = param.detach()
+        state[f"param/{name}{suffix}"] = param.detach()
         slots = optimizer.state.get(param, {})
         for key in _STATE_KEYS:
             if key in slots:
-                state[f"{key}/{name}"] = slots[key]
+                state[f"{key}/{name}{suffix}"] = slots[key]
     return state
 
 
 def save_checkpoint(
-    folder: str | Path, step: int, params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer
+    folder: str | Path,
+    step: int,
+    params: Mapping[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    *,
+    suffix: str = "",
 ) -> Path:
-    """Save this rank's parameters and AdamW state (a collective: every rank of the group calls it)."""
+    """Save this rank's parameters and AdamW state (a collective: every rank of the group calls it).
+
+    ``suffix`` tells apart tensors that share a name but not their values across ranks (FSDP shards
+    and expert slices of a pp x dp mesh: ``#replica<d>of<dp>``); such a checkpoint resumes on the same dp.
+    """
     path = checkpoint_path(folder, step)
     path.mkdir(parents=True, exist_ok=True)
-    dcp.save(_state(params, optimizer), checkpoint_id=str(path))
+    dcp.save(_state(params, optimizer, suffix), checkpoint_id=str(path))
     return path
 
 
 def load_checkpoint(
-    folder: str | Path, step: int, params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer
+    folder: str | Path,
+    step: int,
+    params: dict[str, torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    *,
+    suffix: str = "",
 ) -> None:
     """Load this rank's parameters and AdamW state from ``step-<step>`` in place (a collective)."""
     path = checkpoint_path(folder, step)
@@ -75,15 +91,15 @@ def load_checkpoint(
         raise FileNotFoundError(f"no complete checkpoint at {path}: resume from a step whose folder has .metadata")
     state: dict[str, torch.Tensor] = {}
     for name, param in params.items():
-        state[f"param/{name}"] = torch.empty_like(param.detach())
-        state[f"exp_avg/{name}"] = torch.zeros_like(param.detach())
-        state[f"exp_avg_sq/{name}"] = torch.zeros_like(param.detach())
-        state[f"step/{name}"] = torch.zeros((), dtype=torch.float32)
+        state[f"param/{name}{suffix}"] = torch.empty_like(param.detach())
+        state[f"exp_avg/{name}{suffix}"] = torch.zeros_like(param.detach())
+        state[f"exp_avg_sq/{name}{suffix}"] = torch.zeros_like(param.detach())
+        state[f"step/{name}{suffix}"] = torch.zeros((), dtype=torch.float32)
     dcp.load(state, checkpoint_id=str(path))
     with torch.no_grad():
         for name, param in params.items():
-            param.copy_(state[f"param/{name}"])
-            optimizer.state[param] = {key: state[f"{key}/{name}"] for key in _STATE_KEYS}
+            param.copy_(state[f"param/{name}{suffix}"])
+            optimizer.state[param] = {key: state[f"{key}/{name}{suffix}"] for key in _STATE_KEYS}
 
 
 def read_checkpoint(folder: str | Path, step: int) -> dict[str, torch.Tensor]:

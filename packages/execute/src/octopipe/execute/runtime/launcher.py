@@ -68,12 +68,18 @@ def run_local_many(
     keep_grads: bool = False,
     keep_params: bool = False,
     fail_at: dict[int, tuple[int, int]] | None = None,
+    checkpoint_dir: str = "",
+    checkpoint_every: int = 0,
+    start_step: int = 0,
+    resume: bool = False,
 ) -> list[RunResult]:
     """Run each plan for ``steps`` optimizer steps, one after the other, in one launch of local CPU ranks.
 
     The plans must have the same number of ranks (and normally the same model);
     each starts from the same freshly built weights. One launch saves the
     process start-up and reuses captured stages between plans.
+    ``checkpoint_dir``/``checkpoint_every`` save checkpoints (``runtime.checkpoint``);
+    ``start_step`` with ``resume`` continues from ``checkpoint_dir/step-<start_step>``.
     """
     if not plans:
         raise ValueError("give at least one plan")
@@ -111,6 +117,10 @@ def run_local_many(
             pin_cores=pin_cores,
             keep_grads=keep_grads,
             keep_params=keep_params,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            start_step=start_step,
+            resume=resume,
         )
         processes = [
             context.Process(

@@ -274,8 +274,11 @@ def _run_plan(
     losses: list[float] = []
     timelines: list[dict[str, object]] = []
     first_grads: dict[str, torch.Tensor] = {}
+    # a mesh's replicas hold different shards and experts under the same names: keep them apart
+    replica, dp = mesh.spec.coords(rank)[1], mesh.spec.dp
+    suffix = f"#replica{replica}of{dp}" if dp > 1 else ""
     if config.resume:
-        load_checkpoint(config.checkpoint_dir, config.start_step, params, optimizer)
+        load_checkpoint(config.checkpoint_dir, config.start_step, params, optimizer, suffix=suffix)
     for step in range(config.start_step, config.start_step + config.steps):
         microbatches = _split_batch(*built.batch(step), m)
         fail_after = config.fail_at[1] if config.fail_at is not None and config.fail_at[0] == step else None
@@ -305,7 +308,7 @@ def _run_plan(
         )
         saved = None
         if config.checkpoint_every and config.checkpoint_dir and (step + 1) % config.checkpoint_every == 0:
-            save_checkpoint(config.checkpoint_dir, step + 1, params, optimizer)
+            save_checkpoint(config.checkpoint_dir, step + 1, params, optimizer, suffix=suffix)
             saved = step + 1
         if events is not None:
             events.put(
