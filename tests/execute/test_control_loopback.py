@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from octopipe.execute.control import LocalCluster
+from octopipe.execute.control.local import result_from_metrics
 from octopipe.execute.runtime import run_local
 from octopipe.node.v1 import node_pb2
 from tests.execute.control_cluster import llama_plan
@@ -31,3 +32,9 @@ def test_two_daemons_run_a_plan_like_the_local_launcher(tmp_path: Path) -> None:
     assert losses == expected  # bitwise: the same ops in the same order
     assert {(m.rank, m.step) for m in metrics} == {(r, s) for r in (0, 1) for s in range(3)}
     assert all(m.timeline.records for m in metrics)
+    # the same run as a RunResult, like the local launcher's
+    rebuilt = result_from_metrics(plan, metrics)
+    assert rebuilt.losses == expected
+    assert sorted(rebuilt.timelines) == [0, 1] and all(len(steps) == 3 for steps in rebuilt.timelines.values())
+    first = rebuilt.timelines[0][0]
+    assert first["start_ns"] <= first["records"][0]["start_ns"] <= first["records"][-1]["end_ns"]

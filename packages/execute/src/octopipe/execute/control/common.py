@@ -118,6 +118,7 @@ def step_metrics(run_id: str, event: dict[str, Any]) -> node_pb2.StepMetrics:
         rank=int(event["rank"]),
         step_duration_us=(int(event["end_ns"]) - origin) / 1e3,
         plan_switches=int(event.get("plan_switches", 0)),
+        step_start_ns=origin,
     )
     if event.get("loss") is not None:
         metrics.loss = float(event["loss"])

@@ -17,11 +17,16 @@ from types import TracebackType
 from typing import IO, Any
 
 from octopipe.execute.control.client import ControlClient
+from octopipe.execute.control.common import state_name
 from octopipe.execute.control.coordinator import Coordinator, CoordinatorConfig
 from octopipe.execute.control.node import NodeConfig, NodeDaemon
 from octopipe.execute.control.security import make_certs
+from octopipe.execute.runtime.launcher import RunFailed, RunResult
+from octopipe.node.v1 import node_pb2
+from octopipe.plan.v1 import plan_pb2
+from octopipe.simulate.ir import action_from_proto, format_action
 
-__all__ = ["LocalCluster", "process_alive"]
+__all__ = ["LocalCluster", "process_alive", "result_from_metrics"]
 
 
 def process_alive(pid: int) -> bool:
@@ -31,6 +36,31 @@ def process_alive(pid: int) -> bool:
     except (FileNotFoundError, IndexError):
         return False
     return state != "Z"
+
+
+def result_from_metrics(
+    plan: plan_pb2.Plan, metrics: Sequence[node_pb2.StepMetrics], *, wall_s: float = 0.0
+) -> RunResult:
+    """A RunResult (losses of the last stage's rank, per-rank timelines on the monotonic clock) from StepMetrics."""
+    last_rank = plan.stages[-1].rank
+    ordered = sorted(metrics, key=lambda m: (m.rank, m.step))
+    result = RunResult(losses=[m.loss for m in ordered if m.rank == last_rank], wall_s=wall_s)
+    for item in ordered:
+        origin = int(item.step_start_ns)
+        records = [
+            {
+                "action": format_action(action_from_proto(record.action)),
+                "stream": record.stream,
+                "start_ns": origin + round(record.start_us * 1e3),
+                "end_ns": origin + round(record.end_us * 1e3),
+                "held_bytes": int(record.memory_after_bytes),
+                "rss_bytes": 0,
+            }
+            for record in item.timeline.records
+        ]
+        step = {"start_ns": origin, "end_ns": origin + round(item.step_duration_us * 1e3), "records": records}
+        result.timelines.setdefault(int(item.rank), []).append(step)
+    return result
 
 
 class LocalCluster:
@@ -113,6 +143,25 @@ class LocalCluster:
                 raise RuntimeError(f"node {node_id} did not register within {timeout_s:.0f} s: {text[-2000:]}")
             time.sleep(0.1)
         return process
+
+    def run_plans(
+        self, plans: Sequence[plan_pb2.Plan], *, steps: int, seed: int = 0, timeout_s: float = 600.0
+    ) -> list[RunResult]:
+        """Submit each plan as a run, one after the other; each run's losses and timelines as a RunResult.
+
+        What the local launcher returns, rebuilt from the metric streams (no gradients or weights).
+        """
+        results = []
+        with self.client() as client:
+            for plan in plans:
+                started = time.monotonic()
+                run_id = client.submit(plan, steps=steps, seed=seed)
+                run = client.wait(run_id, timeout_s=timeout_s)
+                if run.state != node_pb2.RUN_STATE_DONE:
+                    raise RunFailed(f"run {run_id} ({plan.name}) {state_name(run.state)}: {run.error}")
+                metrics = client.metrics(run_id, timeout_s=60)
+                results.append(result_from_metrics(plan, metrics, wall_s=time.monotonic() - started))
+        return results
 
     def rank_pids(self, node_id: str) -> list[int]:
         """The process ids of every rank a node started (each rank writes ``rank<r>.pid``)."""
