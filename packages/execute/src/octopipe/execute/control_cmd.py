@@ -17,7 +17,6 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from octopipe.execute.control.common import state_name
 from octopipe.node.v1 import node_pb2
 
 __all__ = ["EXIT_RUN_FAILED", "EXIT_UNREACHABLE", "add_parser"]
@@ -183,6 +182,8 @@ def _node(args: argparse.Namespace) -> int:
 
 
 def _print_run(run: Any, as_json: bool) -> None:
+    from octopipe.execute.control.common import state_name  # noqa: PLC0415 - keeps `octopipe --help` fast
+
     if as_json:
         _out(json.dumps(json_format.MessageToDict(run, preserving_proto_field_name=True)))
         return

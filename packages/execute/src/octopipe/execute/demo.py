@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from octopipe.execute.jsonout import dumps, estimate_json, print_json
+from octopipe.simulate.ir import mesh_spec
 
 if TYPE_CHECKING:  # the job's modules load torch: imported when the demo runs, not when the CLI starts
     from octopipe.execute.pipeline import Comparison
@@ -116,11 +118,16 @@ def run(args: argparse.Namespace) -> int:
 def _run_plans(plans: Sequence[plan_pb2.Plan], steps: int, *, timeout_s: float, pin_cores: bool) -> list[RunResult]:
     """Run every plan for ``steps`` steps on local CPU ranks, one after the other; one result per plan.
 
-    The one place the demo starts ranks (today: one launch of ``run_local_many``).
+    The plans go through an embedded control plane, the same code as a cluster: a coordinator (mutual
+    TLS on 127.0.0.1) verifies each plan and pushes it to one node daemon with a slot per rank, which
+    starts the rank processes and streams their measured timelines back.
     """
-    from octopipe.execute.runtime import run_local_many  # noqa: PLC0415
+    from octopipe.execute.control import LocalCluster  # noqa: PLC0415 - keeps `octopipe --help` fast
 
-    return run_local_many(list(plans), steps=steps, timeout_s=timeout_s, pin_cores=pin_cores)
+    ranks = max(mesh_spec(plan).world_size for plan in plans)
+    with tempfile.TemporaryDirectory(prefix="octopipe-demo-") as root, LocalCluster(Path(root)) as cluster:
+        cluster.add_node("local", slots=ranks, pin_cores=pin_cores, rank_timeout_s=timeout_s)
+        return cluster.run_plans(plans, steps=steps, timeout_s=timeout_s * (steps + 2))
 
 
 @contextmanager
@@ -204,7 +211,7 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
             timeout_s=config.timeout_s,
             pin_cores=config.pin_cores,
         )
-        step.done(f"ran {len(results)} launches of {config.steps} steps")
+        step.done(f"ran {len(results)} runs of {config.steps} steps through the embedded coordinator")
 
     # predicted with the tuner's costs (a full backward B costs I + W), so the predicted speed-up is tune's
     tuned_cmp = pipeline.compare(
@@ -347,7 +354,7 @@ def _print_report(
     speed = summary["speedup_over_1f1b_equal"]
     console.print(
         f"[bold]speed-up over 1F1B with equal layer counts: {speed['measured']:.2f}x measured[/bold] "
-        f"(predicted {speed['predicted']:.2f}x; same model, same launch, alternating; "
+        f"(predicted {speed['predicted']:.2f}x; same model, alternating runs; "
         f"losses {'identical' if summary['losses_equal'] else 'DIFFERENT'} across plans)"
     )
     console.print("written:", highlight=False)

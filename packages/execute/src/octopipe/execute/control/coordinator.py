@@ -47,6 +47,8 @@ _ALLOWED = {f"/{_SERVICE}/{m}": _NODE for m in ("RegisterNode", "Heartbeat")} | 
     for m in ("SubmitPlan", "GetRun", "ListRuns", "CancelRun", "WatchRun", "StreamRunMetrics", "ResumeRun")
 }
 _MAX_RUN_METRICS = 50_000
+#: finished runs whose metrics stay in memory (older finished runs keep their record, not their metrics)
+_KEEP_FINISHED_METRICS = 16
 #: closed loop: re-tune after this many completed steps unless the submission says otherwise
 DEFAULT_ADAPT_AFTER = 3
 #: switch only when the re-tuned plan is predicted at least this much faster
@@ -106,6 +108,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._changed = Waiter()
         self._nodes: dict[str, _Node] = {}
         self._runs: dict[str, _RunEntry] = {}
+        self._finished: list[str] = []
         self._store = StateStore(config.state_dir)
         self._pusher = RunPusher(self._identity, on_metrics=self.add_metrics)
         self._stopping = threading.Event()
@@ -164,6 +167,12 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
             if error:
                 entry.run.error = error
             self._save(entry)
+            if state in TERMINAL_STATES and entry.run.run_id not in self._finished:
+                self._finished.append(entry.run.run_id)
+                while len(self._finished) > _KEEP_FINISHED_METRICS:  # bounded memory: old runs' metrics go
+                    old = self._runs.get(self._finished.pop(0))
+                    if old is not None:
+                        old.metrics = []
         self._log.info("run_state", run=entry.run.run_id, state=state_name(state), error=error or None)
 
     def nodes(self) -> list[tuple[str, str, bool]]:
