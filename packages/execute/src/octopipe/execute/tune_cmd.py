@@ -13,12 +13,14 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
+from octopipe.execute.jsonout import estimate_json
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import Estimate, GroupLinks, Link
 from octopipe.simulate.ir import plan_to_text, save_plan
@@ -181,8 +183,8 @@ def _mesh_json(result: MeshTuneResult, plan_path: Path, text_path: Path) -> dict
         "microbatches": result.num_microbatches,
         "microbatch_size": result.microbatch_size,
         "description": result.description,
-        "tuned": _estimate_json(result.estimate),
-        "baseline_1f1b_same_mesh": _estimate_json(result.baseline),
+        "tuned": estimate_json(result.estimate),
+        "baseline_1f1b_same_mesh": estimate_json(result.baseline),
         "speedup_over_1f1b_same_mesh": result.speedup,
         "simulations": result.simulations,
         "seconds": result.seconds,
@@ -212,19 +214,8 @@ def _print_mesh(result: MeshTuneResult, plan_path: Path, text_path: Path) -> Non
         f"chosen: pp {result.pp} x dp {result.dp}, {result.num_microbatches} micro-batches of "
         f"{result.microbatch_size} per replica ({result.description})"
     )
-    table = Table(title=title)
-    for column in ("plan", "step ms", "samples/s", "bubble", "peak memory GB (max rank)", "within cap"):
-        table.add_column(column, justify="right" if column != "plan" else "left")
-    for name, estimate in (("1F1B, equal layer counts, same mesh", result.baseline), ("tuned", result.estimate)):
-        table.add_row(
-            name,
-            f"{estimate.step_time_us / 1e3:.1f}",
-            f"{estimate.samples_per_second:.2f}",
-            f"{estimate.bubble_ratio:.1%}",
-            f"{max(r.peak_memory_bytes for r in estimate.ranks) / 1e9:.2f}",
-            "yes" if estimate.fits else "no",
-        )
-    console.print(table)
+    rows = (("1F1B, equal layer counts, same mesh", result.baseline), ("tuned", result.estimate))
+    console.print(_estimate_table(title, rows, memory=("GB", 1e9), step_format=".1f"))
     tried = Table(title="every pp x dp tried (its best plan)")
     for column in ("pp", "dp", "m", "step ms", "fits", "schedule / why not"):
         tried.add_column(column)
@@ -252,15 +243,26 @@ def _tune_with_progress(profile: profile_pb2.Profile, config: TuneConfig) -> Tun
         return tune(profile, config, progress=progress)
 
 
-def _estimate_json(estimate: Estimate) -> dict[str, Any]:
-    return {
-        "step_time_us": estimate.step_time_us,
-        "samples_per_second": estimate.samples_per_second,
-        "bubble_ratio": estimate.bubble_ratio,
-        "communication_overlap_ratio": estimate.communication_overlap_ratio,
-        "peak_memory_bytes": [r.peak_memory_bytes for r in estimate.ranks],
-        "fits": estimate.fits,
-    }
+def _estimate_table(
+    title: str, rows: Sequence[tuple[str, Estimate]], *, memory: tuple[str, float], step_format: str
+) -> Any:
+    """Step time, throughput, bubble and peak memory of each (name, estimate), as a rich table."""
+    from rich.table import Table  # noqa: PLC0415
+
+    unit, scale = memory
+    table = Table(title=title)
+    for column in ("plan", "step ms", "samples/s", "bubble", f"peak memory {unit} (max rank)", "within caps"):
+        table.add_column(column, justify="right" if column != "plan" else "left")
+    for name, estimate in rows:
+        table.add_row(
+            name,
+            format(estimate.step_time_us / 1e3, step_format),
+            f"{estimate.samples_per_second:.2f}",
+            f"{estimate.bubble_ratio:.1%}",
+            f"{max(r.peak_memory_bytes for r in estimate.ranks) / scale:.2f}",
+            "yes" if estimate.fits else "no",
+        )
+    return table
 
 
 def _as_json(result: TuneResult, plan_path: Path, text_path: Path) -> dict[str, Any]:
@@ -269,8 +271,8 @@ def _as_json(result: TuneResult, plan_path: Path, text_path: Path) -> dict[str, 
         "plan_text": str(text_path),
         "description": result.description,
         "speedup_over_1f1b_equal": result.speedup,
-        "tuned": _estimate_json(result.estimate),
-        "baseline_1f1b_equal": _estimate_json(result.baseline),
+        "tuned": estimate_json(result.estimate),
+        "baseline_1f1b_equal": estimate_json(result.baseline),
         "memory_cap_bytes": [result.memory_caps[r] for r in sorted(result.memory_caps)],
         "best_by_family_us": dict(result.best_by_family),
         "evaluations": result.evaluations,
@@ -295,19 +297,9 @@ def _print_tables(result: TuneResult, plan_path: Path, text_path: Path) -> None:
     from rich.table import Table  # noqa: PLC0415
 
     console = Console()
-    table = Table(title=f"predicted step ({result.description})")
-    for column in ("plan", "step ms", "samples/s", "bubble", "peak memory MiB (max rank)", "within caps"):
-        table.add_column(column, justify="right" if column != "plan" else "left")
-    for name, estimate in (("1F1B, equal layer counts", result.baseline), ("tuned", result.estimate)):
-        table.add_row(
-            name,
-            f"{estimate.step_time_us / 1e3:.2f}",
-            f"{estimate.samples_per_second:.2f}",
-            f"{estimate.bubble_ratio:.1%}",
-            f"{max(r.peak_memory_bytes for r in estimate.ranks) / 2**20:.1f}",
-            "yes" if estimate.fits else "no",
-        )
-    console.print(table)
+    rows = (("1F1B, equal layer counts", result.baseline), ("tuned", result.estimate))
+    title = f"predicted step ({result.description})"
+    console.print(_estimate_table(title, rows, memory=("MiB", 2**20), step_format=".2f"))
     search = Table(title="search: what each phase gained")
     for column in ("placement", "phase", "before ms", "after ms", "gain", "schedule"):
         search.add_column(column)
