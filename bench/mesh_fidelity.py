@@ -61,10 +61,10 @@ from octopipe.execute.runtime import (
     workload_reference,
 )
 from octopipe.execute.runtime.fsdp_actions import add_fsdp_actions
+from octopipe.ir import ActionKind, parse_action
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import CostModel, GroupLinks, durations_from_timelines, simulate
-from octopipe.simulate.ir import ActionKind, parse_action
 from octopipe.tune import equal_partition, one_f_one_b, zb_h1
 
 OUT = Path(__file__).parent / "results" / "mesh_fidelity.json"

@@ -22,9 +22,9 @@ from typing import Literal
 
 from tune_workloads import TABLE
 
+from octopipe.ir import Action, add_p2p_actions, rank_actions
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import CostModel, Link, SimulationConfig, StageCost, StageSpec, build_plan, simulate
-from octopipe.simulate.ir import Action, add_p2p_actions, rank_actions
 from octopipe.tune import ListSchedulerConfig, exact_schedule, list_schedule, one_f_one_b, v_placement, zb_h1, zb_h2
 from octopipe.tune.vshape import v_half, v_min, zb_v
 

@@ -7,7 +7,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PANTS="$ROOT/scripts/pants"
-DISTS=(protos examples capture transform simulate tune execute)
+DISTS=(protos ir examples capture transform simulate tune execute)
 status=0
 
 step() {  # step NAME COMMAND...: run, print its wall time, remember a failure

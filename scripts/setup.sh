@@ -8,7 +8,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${OCTOPIPE_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="torch==2.13.0"
-PACKAGES=(protos examples packages/capture packages/transform packages/simulate packages/tune packages/execute)
+PACKAGES=(protos packages/ir examples packages/capture packages/transform packages/simulate packages/tune packages/execute)
 
 # pip warns about every package missing from the image's local indexes: noise.
 quiet_pip() { "$VENV/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }

@@ -16,8 +16,8 @@ gate "ruff format" ruff format --check .
 gate "buf lint" buf lint protos
 gate "buf breaking (against the released baseline)" scripts/buf_breaking.sh
 gate "mypy (all packages)" mypy examples/src packages/capture/src packages/transform/src packages/execute/src tests bench
-gate "mypy --strict (simulate, tune)" mypy --strict packages/simulate/src packages/tune/src
+gate "mypy --strict (ir, simulate, tune)" mypy --strict packages/ir/src packages/simulate/src packages/tune/src
 gate "pytest" python -m pytest "$@"
 if [[ "${OCTOPIPE_SKIP_PANTS:-0}" != "1" ]]; then
-  gate "pants: package (7 wheels), lint, layering" scripts/pants_check.sh
+  gate "pants: package (8 wheels), lint, layering" scripts/pants_check.sh
 fi

@@ -18,9 +18,9 @@ from torch import nn
 from octopipe.execute import configure_logging
 from octopipe.execute.pipeline import profile_reference, tune_reference
 from octopipe.execute.runtime import local_cost_model, reference_run, run_local
+from octopipe.ir import format_grid
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import verify_plan
-from octopipe.simulate.ir import format_grid
 from octopipe.tune import TuneConfig
 
 VOCAB, HIDDEN, SEQUENCE, BATCH = 64, 32, 16, 16

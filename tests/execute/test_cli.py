@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from octopipe.execute.cli import EXIT_OK, EXIT_USAGE, main
-from octopipe.simulate.ir import load_plan, plan_to_text
+from octopipe.ir import load_plan, plan_to_text
 from octopipe.tune import one_f_one_b
 
 # The console script where the package is installed (scripts/setup.sh); `python -m` where it is
@@ -176,9 +176,9 @@ def test_a_rejected_plan_is_exit_2_with_the_error_first(tmp_path: Path, capsys: 
 def test_trace_puts_measured_timelines_beside_the_simulation(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from octopipe.ir import action_to_proto, parse_action
     from octopipe.profile.v1 import profile_pb2
     from octopipe.simulate import uniform_profile
-    from octopipe.simulate.ir import action_to_proto, parse_action
 
     (tmp_path / "costs.binpb").write_bytes(uniform_profile(["a", "b"], num_ranks=2).SerializeToString())
     measured = profile_pb2.Profile()

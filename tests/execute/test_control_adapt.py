@@ -10,9 +10,9 @@ import pytest
 from octopipe.execute.control import LocalCluster
 from octopipe.execute.pipeline import profile_reference
 from octopipe.execute.runtime import run_local
+from octopipe.ir import Action, ActionKind, StageSpec, add_p2p_actions, build_plan
 from octopipe.node.v1 import node_pb2
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import Action, ActionKind, StageSpec, add_p2p_actions, build_plan
 from tests.execute.control_cluster import llama_plan
 
 pytestmark = pytest.mark.slow

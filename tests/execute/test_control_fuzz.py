@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from octopipe.coordinator.v1 import coordinator_pb2
 from octopipe.execute.control import LocalCluster, check_plan
+from octopipe.ir import action_to_proto, parse_action
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import simulate
-from octopipe.simulate.ir import action_to_proto, parse_action
 from octopipe.tune import equal_partition, one_f_one_b, zb_h1
 from tests.simulate.strategies import plans
 

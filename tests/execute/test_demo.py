@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from octopipe.simulate.ir import load_plan, validate_plan
+from octopipe.ir import load_plan, validate_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_SH = ROOT / "scripts" / "run.sh"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from octopipe.execute.interop import TORCH_SCHEDULES, torch_placement, torch_schedule_plan
+from octopipe.ir import PlanError, plan_from_torch_csv, plan_to_torch_csv, rank_actions, stage_ranks
 from octopipe.simulate import simulate, uniform_profile
-from octopipe.simulate.ir import PlanError, plan_from_torch_csv, plan_to_torch_csv, rank_actions, stage_ranks
 
 WORKING = [name for name in TORCH_SCHEDULES if name != "Schedule1F1B"]
 

@@ -34,8 +34,8 @@ from octopipe.execute.runtime import (
 )
 from octopipe.execute.runtime.fsdp_actions import add_fsdp_actions, check_sharded_programs
 from octopipe.execute.runtime.mesh import MeshRank, replica_batch
+from octopipe.ir import PlanError, action_to_proto, parse_action, rank_actions
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import PlanError, action_to_proto, parse_action, rank_actions
 from octopipe.transform import StageExecutable, compile_stage
 from octopipe.tune import (
     CollectivePlacement,

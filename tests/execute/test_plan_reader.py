@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from octopipe.execute.runtime import workload_reference
+from octopipe.ir import action_from_proto, format_action, save_plan
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import action_from_proto, format_action, save_plan
 from octopipe.tune import dualpipe_v, equal_partition, interleaved_1f1b, zb_h1
 
 READER = Path(__file__).resolve().parents[2] / "docs" / "examples" / "plan_reader.js"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from octopipe.execute.runtime import build_model, workload_reference
+from octopipe.ir import save_plan
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate.ir import save_plan
 from octopipe.tune import one_f_one_b
 from tests.execute.test_cli import OCTOPIPE
 

@@ -17,9 +17,9 @@ from octopipe.execute.runtime import (
     run_local_many,
     workload_reference,
 )
+from octopipe.ir import Action, ActionKind, StageSpec, add_p2p_actions, build_plan, rank_actions
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import uniform_profile
-from octopipe.simulate.ir import Action, ActionKind, StageSpec, add_p2p_actions, build_plan, rank_actions
 from octopipe.tune import (
     TuneConfig,
     dualpipe_v,

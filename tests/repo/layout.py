@@ -6,7 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the code packages, bottom layer first; ``examples`` is the model zoo
-PACKAGES = ("examples", "capture", "transform", "simulate", "tune", "execute")
+PACKAGES = ("ir", "examples", "capture", "transform", "simulate", "tune", "execute")
 DISTRIBUTIONS = {
     "protos": ROOT / "protos",
     "examples": ROOT / "examples",

@@ -12,9 +12,9 @@ import pytest
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from octopipe.ir import StageSpec, build_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate.ir import StageSpec, build_plan
 from tests.repo.layout import ROOT
 
 # buf comes from the buf-bin wheel that scripts/setup.sh installs next to this interpreter.

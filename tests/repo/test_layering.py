@@ -15,14 +15,15 @@ from tests.repo.layout import PACKAGES, ROOT, package_sources
 
 # What each package may import from octopipe (besides itself).
 ALLOWED: dict[str, set[str]] = {
+    "ir": {"protos"},
     "examples": set(),
     "capture": {"protos"},
-    "simulate": {"protos"},
+    "simulate": {"protos", "ir"},
     "transform": {"protos", "capture"},
-    "tune": {"protos", "simulate"},
-    "execute": {"protos", "examples", "capture", "transform", "simulate", "tune"},
+    "tune": {"protos", "ir", "simulate"},
+    "execute": {"protos", "ir", "examples", "capture", "transform", "simulate", "tune"},
 }
-TORCH_FREE = {"simulate", "tune"}
+TORCH_FREE = {"ir", "simulate", "tune"}
 PROTO_AREAS = {"plan", "profile", "estimate", "coordinator", "node"}
 
 

@@ -1,4 +1,4 @@
-"""Six wheels build; installed into six separate directories they still form one namespace.
+"""Every wheel builds; installed into separate directories they still form one namespace.
 
 This is how PEP 420 namespace packaging breaks in practice: a stray
 octopipe/__init__.py, or a wheel that ships the namespace folder's contents,
@@ -73,13 +73,13 @@ if sys.argv[1] == "torch-free":
     sys.modules["torch"] = None  # any import of torch now fails
     modules = ["octopipe.plan.v1.plan_pb2", "octopipe.profile.v1.profile_pb2", "octopipe.estimate.v1.estimate_pb2",
                "octopipe.node.v1.node_pb2_grpc", "octopipe.coordinator.v1.coordinator_pb2_grpc",
-               "octopipe.simulate", "octopipe.tune"]
+               "octopipe.ir", "octopipe.simulate", "octopipe.tune"]
 else:
     modules = ["octopipe.examples", "octopipe.capture", "octopipe.transform", "octopipe.execute"]
 for name in modules:
     module = importlib.import_module(name)
     print(name.rsplit(".", 2)[0] if name.endswith("_pb2") or name.endswith("_grpc") else name, module.__file__)
-dists = ("protos", "examples", "capture", "transform", "simulate", "tune", "execute")
+dists = ("protos", "ir", "examples", "capture", "transform", "simulate", "tune", "execute")
 versions = {d: importlib.metadata.version("octopipe-" + d) for d in dists}
 assert set(versions.values()) == {"0.1.0"}, versions
 if sys.argv[1] != "torch-free":
@@ -126,7 +126,7 @@ def test_separate_directories_form_one_namespace(wheels: dict[str, Path], tmp_pa
             if line.startswith("octopipe."):
                 name, path = line.split(" ", 1)
                 origins[name] = path
-    for name in ("examples", "capture", "transform", "simulate", "tune", "execute"):
+    for name in ("ir", "examples", "capture", "transform", "simulate", "tune", "execute"):
         assert origins[f"octopipe.{name}"].startswith(str(targets[name])), origins
     for area in ("plan", "profile", "estimate", "node", "coordinator"):
         assert origins[f"octopipe.{area}"].startswith(str(targets["protos"])), origins

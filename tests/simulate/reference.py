@@ -7,9 +7,9 @@ fixed point of "start = max(what it waits for)" by plain repetition.
 
 from __future__ import annotations
 
+from octopipe.ir import stage_ranks
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import Action, ActionKind, CostModel, rank_actions
-from octopipe.simulate.ir import stage_ranks
 
 COMPUTE = {
     ActionKind.FORWARD,

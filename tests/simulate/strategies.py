@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
+from octopipe.ir import Action, ActionKind, action_to_proto
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import Action, ActionKind, action_to_proto
 
 SIMPLE_KINDS = [k for k in ActionKind if k is not ActionKind.OVERLAP_F_B]
 small = st.integers(min_value=0, max_value=40)

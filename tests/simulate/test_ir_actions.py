@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 
+from octopipe.ir import Action, ActionKind, action_from_proto, action_to_proto, format_action, parse_action
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import Action, ActionKind, action_from_proto, action_to_proto, format_action, parse_action
 from tests.simulate.strategies import actions
 
 A = ActionKind

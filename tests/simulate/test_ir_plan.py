@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 
-from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import (
+from octopipe.ir import (
     PlanError,
     StageSpec,
     add_p2p_actions,
@@ -26,6 +25,7 @@ from octopipe.simulate.ir import (
     stage_ranks,
     validate_plan,
 )
+from octopipe.plan.v1 import plan_pb2
 from tests.simulate.strategies import plans
 
 

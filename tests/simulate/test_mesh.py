@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from octopipe.ir import MeshSpec, PlanError, mesh_spec
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import MeshSpec, PlanError, mesh_spec
 from octopipe.tune import one_f_one_b
 
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from octopipe.ir import Action, ActionKind, action_to_proto, rank_actions
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import (
@@ -25,7 +26,6 @@ from octopipe.simulate import (
     simulate,
     uniform_profile,
 )
-from octopipe.simulate.ir import Action, ActionKind, action_to_proto, rank_actions
 from octopipe.tune import interleaved_1f1b, one_f_one_b, zb_h1
 from tests.simulate.reference import reference_times
 from tests.simulate.test_properties import cost_models, schedules

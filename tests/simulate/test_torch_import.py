@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from octopipe.ir import add_p2p_actions, stage_ranks
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import (
     CostModel,
@@ -30,7 +31,6 @@ from octopipe.simulate import (
     simulate,
     verify_plan,
 )
-from octopipe.simulate.ir import add_p2p_actions, stage_ranks
 
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 

@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import pytest
 
+from octopipe.ir import rank_actions
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import OverlapModel, Simulation, simulate, uniform_profile, verify_plan
 from octopipe.simulate.costs import CostModel
-from octopipe.simulate.ir import rank_actions
 from octopipe.tune import dualpipe_v, v_half, v_min, v_placement, zb_h2, zb_v
 from tests.tune.test_schedules import TorchStage
 

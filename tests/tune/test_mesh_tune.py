@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from octopipe.ir import Action, action_to_proto, add_p2p_actions, rank_actions
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import CostModel, GroupLinks, Link, StageCost, simulate, verify_plan
-from octopipe.simulate.ir import Action, action_to_proto, add_p2p_actions, rank_actions
 from octopipe.tune import (
     CollectivePlacement,
     MeshTuneConfig,

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from octopipe.ir import Action, ActionKind, rank_actions
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import verify_plan
-from octopipe.simulate.ir import Action, ActionKind, rank_actions
 from octopipe.tune import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 
 GRID = [(p, m) for p, m in itertools.product([1, 2, 3, 4, 8], [1, 2, 3, 4, 8, 16])]

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from octopipe.ir import add_p2p_actions
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import CostModel, Link, StageCost, StageSpec, build_plan, simulate, verify_plan
-from octopipe.simulate.ir import add_p2p_actions
 from octopipe.tune import (
     ListSchedulerConfig,
     TuneConfig,

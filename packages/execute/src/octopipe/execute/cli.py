@@ -24,8 +24,7 @@ import structlog
 
 from octopipe.execute import control_cmd, demo, profile_cmd, run_cmd, simulate_cmd, trace_cmd, tune_cmd
 from octopipe.execute.logconfig import configure_logging
-from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import (
+from octopipe.ir import (
     PlanError,
     format_grid,
     load_plan,
@@ -33,6 +32,7 @@ from octopipe.simulate.ir import (
     plan_to_torch_csv,
     save_plan,
 )
+from octopipe.plan.v1 import plan_pb2
 from octopipe.tune import gpipe, one_f_one_b
 
 __all__ = [
@@ -145,7 +145,7 @@ def _plan_convert(args: argparse.Namespace) -> int:
     )
     if args.json:
         from octopipe.execute.jsonout import print_json  # noqa: PLC0415
-        from octopipe.simulate.ir import plan_format_for  # noqa: PLC0415
+        from octopipe.ir import plan_format_for  # noqa: PLC0415
 
         print_json(
             {

@@ -219,7 +219,7 @@ def _finish(client: Any, run_id: str, wait_s: float, as_json: bool) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from octopipe.simulate.ir import load_plan  # noqa: PLC0415
+    from octopipe.ir import load_plan  # noqa: PLC0415
 
     plan = load_plan(args.plan)
     profile = None
@@ -261,7 +261,7 @@ def _cancel(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from octopipe.simulate.ir import load_plan  # noqa: PLC0415
+    from octopipe.ir import load_plan  # noqa: PLC0415
 
     plan = load_plan(args.plan) if args.plan else None
 

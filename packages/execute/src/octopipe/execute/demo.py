@@ -28,7 +28,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from octopipe.execute.jsonout import dumps, estimate_json, print_json
-from octopipe.simulate.ir import mesh_spec
+from octopipe.ir import mesh_spec
 
 if TYPE_CHECKING:  # the job's modules load torch: imported when the demo runs, not when the CLI starts
     from octopipe.execute.pipeline import Comparison
@@ -256,8 +256,8 @@ def _write_files(
 ) -> dict[str, Path]:
     from octopipe.execute.profile_cmd import save_profile  # noqa: PLC0415
     from octopipe.execute.runtime import write_side_by_side_trace  # noqa: PLC0415
+    from octopipe.ir import plan_to_text, plan_to_torch_csv, save_plan  # noqa: PLC0415
     from octopipe.simulate import plot_timeline  # noqa: PLC0415
-    from octopipe.simulate.ir import plan_to_text, plan_to_torch_csv, save_plan  # noqa: PLC0415
 
     files = {
         "plan": out / "plan.binpb",
@@ -300,7 +300,7 @@ def _print_report(
     summary: dict[str, Any],
     files: dict[str, Path],
 ) -> None:
-    from octopipe.simulate.ir import format_grid, rank_actions  # noqa: PLC0415
+    from octopipe.ir import format_grid, rank_actions  # noqa: PLC0415
 
     stages = Table(title=f"plan: {description}")
     for column in ("stage", "rank", "layers", "predicted F+B+W per micro-batch ms"):

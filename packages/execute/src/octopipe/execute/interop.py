@@ -5,7 +5,7 @@ order (they read only stage indices and sizes, so stand-in stages suffice and no
 process group is formed), turns each cell of it into an octopipe Action, adds
 the point-to-point actions and places the stages as torch does (interleaved:
 stage s on rank s % p; V-shaped schedules: stages s and 2p-1-s on rank s).
-The reverse, a Plan as torch CSV, is ``octopipe.simulate.ir.plan_to_torch_csv``.
+The reverse, a Plan as torch CSV, is ``octopipe.ir.plan_to_torch_csv``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from octopipe.ir import Action, StageSpec, add_p2p_actions, build_plan, parse_action
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import Action, StageSpec, add_p2p_actions, build_plan, parse_action
 
 __all__ = ["TORCH_SCHEDULES", "torch_placement", "torch_schedule_plan"]
 

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from octopipe.ir import load_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate.ir import load_plan
 
 __all__ = ["add_parser", "run"]
 

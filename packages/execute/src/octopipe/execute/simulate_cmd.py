@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from octopipe.execute.jsonout import estimate_json, print_json
+from octopipe.ir import load_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import CostModel, Estimate, Simulation, StageCost, simulate, uniform_profile, verify_plan
-from octopipe.simulate.ir import load_plan
 
 __all__ = ["add_parser", "run", "simulate_file"]
 

@@ -34,7 +34,7 @@ def add_parser(sub: Any) -> None:
 def measured_result(timelines: list[profile_pb2.RankTimeline]) -> Any:
     """The measured ``RankTimeline`` messages as a ``runtime.RunResult`` (times relative to each step's start)."""
     from octopipe.execute.runtime import RunResult  # noqa: PLC0415 - loads torch
-    from octopipe.simulate.ir import action_from_proto, format_action  # noqa: PLC0415
+    from octopipe.ir import action_from_proto, format_action  # noqa: PLC0415
 
     by_rank: dict[int, dict[int, dict[str, Any]]] = {}
     for timeline in timelines:

@@ -21,9 +21,9 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 from octopipe.execute.jsonout import estimate_json
+from octopipe.ir import plan_to_text, save_plan
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import Estimate, GroupLinks, Link
-from octopipe.simulate.ir import plan_to_text, save_plan
 from octopipe.tune import FAMILIES, MeshTuneConfig, MeshTuneResult, TuneConfig, TuneResult, tune, tune_mesh
 
 __all__ = ["add_parser", "load_profile", "parse_bytes", "run"]

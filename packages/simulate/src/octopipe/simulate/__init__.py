@@ -9,17 +9,7 @@ and action.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from octopipe.simulate.collectives import GroupLinks, all_gather_us, all_reduce_us, all_to_all_us, reduce_scatter_us
-from octopipe.simulate.costs import CostModel, Link, OverlapModel, StageCost, durations_from_timelines
-from octopipe.simulate.errors import (
-    ActionCountError,
-    DeadlockError,
-    MemoryCapError,
-    MissingInputError,
-    VerificationError,
-)
-from octopipe.simulate.estimate import Estimate, PathStep, RankEstimate
-from octopipe.simulate.ir import (
+from octopipe.ir import (
     Action,
     ActionKind,
     MeshSpec,
@@ -39,6 +29,16 @@ from octopipe.simulate.ir import (
     save_plan,
     validate_plan,
 )
+from octopipe.ir.errors import (
+    ActionCountError,
+    DeadlockError,
+    MemoryCapError,
+    MissingInputError,
+    VerificationError,
+)
+from octopipe.simulate.collectives import GroupLinks, all_gather_us, all_reduce_us, all_to_all_us, reduce_scatter_us
+from octopipe.simulate.costs import CostModel, Link, OverlapModel, StageCost, durations_from_timelines
+from octopipe.simulate.estimate import Estimate, PathStep, RankEstimate
 from octopipe.simulate.profiles import uniform_profile
 from octopipe.simulate.simulator import ActionTiming, Simulation, SimulationConfig, simulate, verify_plan
 from octopipe.simulate.trace import plot_timeline, to_chrome_trace, write_chrome_trace

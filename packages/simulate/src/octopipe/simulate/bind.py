@@ -1,6 +1,6 @@
 """Costs bound to a compiled program: a duration and memory deltas for every step.
 
-Plans with a mesh of dp > 1 (data parallelism; see ``octopipe.simulate.ir.mesh``):
+Plans with a mesh of dp > 1 (data parallelism; see ``octopipe.ir.mesh``):
 
 * time: with ``CostModel.collectives`` set, UNSHARD is a ring all-gather of
   the stage's unsharded bytes and REDUCE_GRAD a ring reduce-scatter of its
@@ -35,10 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from octopipe.simulate.collectives import all_gather_us, all_reduce_us, all_to_all_us, reduce_scatter_us
-from octopipe.simulate.costs import CostModel, StageCost
-from octopipe.simulate.ir.actions import ActionKind
-from octopipe.simulate.program import (
+from octopipe.ir.actions import ActionKind
+from octopipe.ir.program import (
     OVERLAP,
     REDUCE_GRAD,
     RESHARD,
@@ -49,6 +47,8 @@ from octopipe.simulate.program import (
     Program,
     W,
 )
+from octopipe.simulate.collectives import all_gather_us, all_reduce_us, all_to_all_us, reduce_scatter_us
+from octopipe.simulate.costs import CostModel, StageCost
 
 __all__ = ["Bound", "bind"]
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate.costs import Link
+from octopipe.simulate.links import Link
 
 __all__ = ["GroupLinks", "all_gather_us", "all_reduce_us", "all_to_all_us", "reduce_scatter_us"]
 

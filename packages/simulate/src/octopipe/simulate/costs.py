@@ -15,14 +15,12 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from octopipe.ir.actions import ActionKind
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate.ir.actions import ActionKind
-
-if TYPE_CHECKING:
-    from octopipe.simulate.collectives import GroupLinks
+from octopipe.simulate.collectives import GroupLinks
+from octopipe.simulate.links import Link
 
 __all__ = [
     "CostModel",
@@ -128,29 +126,6 @@ class StageCost:
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
-class Link:
-    """A one-way link: a transfer of n bytes takes latency + n / bandwidth."""
-
-    latency_us: float = 0.0
-    bandwidth_bytes_per_second: float = math.inf
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.latency_us < math.inf:
-            raise ValueError(f"Link.latency_us must be a finite time >= 0, got {self.latency_us}")
-        if not self.bandwidth_bytes_per_second > 0:
-            raise ValueError(
-                f"Link.bandwidth_bytes_per_second must be > 0 (math.inf for free transfers), "
-                f"got {self.bandwidth_bytes_per_second}"
-            )
-
-    def transfer_us(self, num_bytes: int) -> float:
-        """Microseconds to move ``num_bytes`` over this link."""
-        if num_bytes == 0:
-            return self.latency_us
-        return self.latency_us + num_bytes / self.bandwidth_bytes_per_second * 1e6
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
 class OverlapModel:
     """How long an OVERLAP_F_B unit of a forward f and a backward b takes.
 
@@ -248,8 +223,6 @@ class CostModel:
         The Profile's ``collectives`` (per group kind) become ``collectives``,
         which time them by group size in plans with a mesh.
         """
-        from octopipe.simulate.collectives import GroupLinks  # noqa: PLC0415 - it imports Link from here
-
         layers = {layer.layer_name: layer for layer in profile.layers}
         stage_layers = [tuple(stage.layer_names) for stage in plan.stages]
         costs = [

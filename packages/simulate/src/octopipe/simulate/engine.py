@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NoReturn
 
-from octopipe.simulate.errors import DeadlockError
-from octopipe.simulate.program import OVERLAP, P2P, RESHARD, SENDS, Program, label_text
+from octopipe.ir.errors import DeadlockError
+from octopipe.ir.program import OVERLAP, P2P, RESHARD, SENDS, Program, label_text
 
 __all__ = ["Timing", "run"]
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from octopipe.estimate.v1 import estimate_pb2
+from octopipe.ir.actions import action_to_proto, parse_action
+from octopipe.ir.program import COMPUTE, OVERLAP, P2P, SENDS, STAGE_WIDE, Label, Program
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate.engine import Timing
-from octopipe.simulate.ir.actions import action_to_proto, parse_action
-from octopipe.simulate.program import COMPUTE, OVERLAP, P2P, SENDS, STAGE_WIDE, Label, Program
 
 __all__ = [
     "Estimate",

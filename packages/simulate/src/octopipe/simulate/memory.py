@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from octopipe.ir.program import SENDS, Program
 from octopipe.simulate.bind import Bound
 from octopipe.simulate.engine import Timing
-from octopipe.simulate.program import SENDS, Program
 
 __all__ = ["MemoryUse", "memory_events", "memory_use"]
 

@@ -6,12 +6,14 @@ import math
 from dataclasses import dataclass, field
 
 from octopipe.estimate.v1 import estimate_pb2
+from octopipe.ir.errors import MemoryCapError
+from octopipe.ir.plan import validate_plan
+from octopipe.ir.program import SENDS, Program, compile_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate.bind import Bound, bind
 from octopipe.simulate.costs import CostModel
 from octopipe.simulate.engine import Timing, run
-from octopipe.simulate.errors import MemoryCapError
 from octopipe.simulate.estimate import (
     Estimate,
     PathStep,
@@ -21,9 +23,7 @@ from octopipe.simulate.estimate import (
     label_proto,
     stream_of,
 )
-from octopipe.simulate.ir.plan import validate_plan
 from octopipe.simulate.memory import MemoryUse, memory_events, memory_use
-from octopipe.simulate.program import SENDS, Program, compile_plan
 
 __all__ = ["ActionTiming", "Simulation", "SimulationConfig", "simulate", "verify_plan"]
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Final
 
-from octopipe.simulate.program import OVERLAP, B, F, I, W
+from octopipe.ir.program import OVERLAP, B, F, I, W
 from octopipe.simulate.simulator import Simulation
 
 __all__ = ["plot_timeline", "to_chrome_trace", "write_chrome_trace"]

@@ -26,9 +26,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from octopipe.ir import Action, ActionKind, add_p2p_actions, parse_action
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import CostModel, Estimate, SimulationConfig, StageSpec, build_plan, simulate
-from octopipe.simulate.ir import Action, ActionKind, add_p2p_actions, parse_action
 
 __all__ = ["ExactResult", "exact_schedule"]
 

@@ -15,7 +15,7 @@ rank's program (which run on the rank's collective stream, see
   stage's last computation too (before its REDUCE_GRAD); without it the
   parameters stay unsharded until the end of the step.
 
-The result satisfies the verifier's collective rules (``octopipe.simulate.program``).
+The result satisfies the verifier's collective rules (``octopipe.ir.program``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from octopipe.simulate.ir import Action, ActionKind
+from octopipe.ir import Action, ActionKind
 
 __all__ = ["PLACEMENTS", "CollectivePlacement", "place_collectives"]
 

@@ -29,8 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from octopipe.ir import Action, ActionKind
 from octopipe.simulate import CostModel
-from octopipe.simulate.ir import Action, ActionKind
 
 __all__ = ["ListSchedulerConfig", "list_schedule"]
 

@@ -33,10 +33,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from octopipe.ir import validate_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import CostModel, Estimate, GroupLinks, Link, OverlapModel, SimulationConfig, simulate
-from octopipe.simulate.ir import validate_plan
 from octopipe.tune.fsdp import PLACEMENTS, CollectivePlacement, place_collectives
 from octopipe.tune.optimizer import TuneConfig, _Search
 from octopipe.tune.problem import (

@@ -28,10 +28,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from octopipe.ir import validate_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import Estimate, OverlapModel, SimulationConfig, simulate
-from octopipe.simulate.ir import validate_plan
 from octopipe.tune.listsched import ListSchedulerConfig
 from octopipe.tune.problem import (
     FAMILIES,

@@ -14,10 +14,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from octopipe.ir import Action, add_p2p_actions, rank_actions, validate_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import CostModel, Estimate, Link, OverlapModel, SimulationConfig, StageCost, simulate
-from octopipe.simulate.ir import Action, add_p2p_actions, rank_actions, validate_plan
 from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
 from octopipe.tune.schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_h2
 from octopipe.tune.vshape import dualpipe_v, v_half, v_min, v_placement, zb_v

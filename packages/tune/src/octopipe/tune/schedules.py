@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from octopipe.ir import Action, ActionKind, StageSpec, add_p2p_actions, build_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import CostModel, StageCost
-from octopipe.simulate.ir import Action, ActionKind, StageSpec, add_p2p_actions, build_plan
 from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
 
 __all__ = ["gpipe", "interleaved_1f1b", "one_f_one_b", "unit_costs", "zb_h1", "zb_h2"]

@@ -12,9 +12,9 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Literal
 
+from octopipe.ir import Action, ActionKind
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import simulate
-from octopipe.simulate.ir import Action, ActionKind
 from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
 from octopipe.tune.schedules import _check, _plan, unit_costs
 

@@ -18,12 +18,12 @@ import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from octopipe.ir import ActionKind, PlanError, StageSpec, add_p2p_actions, build_plan, stage_ranks
 from octopipe.node.v1 import node_pb2
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import CostModel, Link, simulate
 from octopipe.simulate.costs import durations_from_timelines
-from octopipe.simulate.ir import ActionKind, PlanError, StageSpec, add_p2p_actions, build_plan, stage_ranks
 from octopipe.tune import ListSchedulerConfig, gpipe, list_schedule, one_f_one_b, zb_h1, zb_h2
 
 __all__ = ["Retune", "calibrated_costs", "measured_gain", "retune"]

@@ -13,8 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from octopipe.execute.control.security import AuthInterceptor, CertPaths, channel_options, server_credentials
+from octopipe.ir import action_to_proto, parse_action
 from octopipe.node.v1 import node_pb2
-from octopipe.simulate.ir import action_to_proto, parse_action
 
 __all__ = [
     "RPC_DEADLINE_S",

@@ -33,9 +33,9 @@ from octopipe.execute.control.security import CertPaths
 from octopipe.execute.control.state import StateStore
 from octopipe.execute.control.submission import adapt_problem, check_plan
 from octopipe.execute.runtime.checkpoint import latest_checkpoint
+from octopipe.ir import mesh_spec
 from octopipe.node.v1 import node_pb2
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import mesh_spec
 
 __all__ = ["Coordinator", "CoordinatorConfig"]
 

@@ -22,9 +22,9 @@ from octopipe.execute.control.coordinator import Coordinator, CoordinatorConfig
 from octopipe.execute.control.node import NodeConfig, NodeDaemon
 from octopipe.execute.control.security import make_certs
 from octopipe.execute.runtime.launcher import RunFailed, RunResult
+from octopipe.ir import action_from_proto, format_action
 from octopipe.node.v1 import node_pb2
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import action_from_proto, format_action
 
 __all__ = ["LocalCluster", "process_alive", "result_from_metrics"]
 

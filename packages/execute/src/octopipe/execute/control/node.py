@@ -43,8 +43,8 @@ from octopipe.execute.control.security import CertPaths, secure_channel
 from octopipe.execute.linkprobe import free_port
 from octopipe.execute.runtime.models import WORKLOAD_SOURCE
 from octopipe.execute.runtime.worker import ABORT_KEY, WorkerConfig, publish_plan, same_layout, worker_main
+from octopipe.ir import PlanError, mesh_spec, validate_plan
 from octopipe.node.v1 import node_pb2, node_pb2_grpc
-from octopipe.simulate.ir import PlanError, mesh_spec, validate_plan
 
 __all__ = ["NodeConfig", "NodeDaemon"]
 

@@ -19,9 +19,9 @@ import structlog
 from octopipe.coordinator.v1 import coordinator_pb2
 from octopipe.execute.control.common import RPC_DEADLINE_S
 from octopipe.execute.control.security import CertPaths, secure_channel
+from octopipe.ir import mesh_spec
 from octopipe.node.v1 import node_pb2, node_pb2_grpc
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import mesh_spec
 
 __all__ = ["RunPusher"]
 

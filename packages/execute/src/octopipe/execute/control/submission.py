@@ -8,9 +8,9 @@ simulator's static verifier (deadlocks, missing inputs, unmatched sends).
 from __future__ import annotations
 
 from octopipe.coordinator.v1 import coordinator_pb2
+from octopipe.ir import PlanError, mesh_spec
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import VerificationError, verify_plan
-from octopipe.simulate.ir import PlanError, mesh_spec
 
 __all__ = ["MAX_ACTIONS", "MAX_MICROBATCHES", "MAX_RANKS", "adapt_problem", "check_plan"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from octopipe.simulate.ir import Action, ActionKind
+from octopipe.ir import Action, ActionKind
 
 __all__ = ["P2P", "Aborted", "CommTimeout", "message_key"]
 

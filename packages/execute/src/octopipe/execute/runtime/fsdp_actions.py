@@ -21,8 +21,8 @@ runs before any process starts. Neither imports torch.
 
 from __future__ import annotations
 
+from octopipe.ir import Action, ActionKind, action_to_proto, rank_actions, stage_ranks
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import Action, ActionKind, action_to_proto, rank_actions, stage_ranks
 
 __all__ = ["add_fsdp_actions", "check_sharded_programs"]
 

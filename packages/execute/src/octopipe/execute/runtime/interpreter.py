@@ -30,7 +30,7 @@ import torch
 
 from octopipe.capture import StageGraphs
 from octopipe.execute.runtime.comm import P2P
-from octopipe.simulate.ir import Action, ActionKind
+from octopipe.ir import Action, ActionKind
 from octopipe.transform import ForwardContext, OverlapStage, StageExecutable, WeightContext, storage_bytes
 
 __all__ = ["ActionRecord", "RankRuntime", "ShardedStage", "StepFailure", "rss_bytes"]

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from octopipe.execute.linkprobe import free_port
 from octopipe.execute.runtime.fsdp_actions import check_sharded_programs
 from octopipe.execute.runtime.worker import ABORT_KEY, WorkerConfig, worker_main
+from octopipe.ir import MeshSpec, mesh_spec, validate_plan
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import MeshSpec, mesh_spec, validate_plan
 
 __all__ = ["RunFailed", "RunResult", "run_local", "run_local_many"]
 

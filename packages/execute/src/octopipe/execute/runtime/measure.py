@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from octopipe.execute.runtime.launcher import RunResult
+from octopipe.ir import action_to_proto, parse_action
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import CostModel, Link, Simulation, to_chrome_trace
-from octopipe.simulate.ir import action_to_proto, parse_action
 
 __all__ = [
     "LOCAL_GLOO_LINK",

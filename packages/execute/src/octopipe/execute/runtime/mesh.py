@@ -1,7 +1,7 @@
 """One process of a pp x dp (x ep) mesh: its groups, its replica's data, its sharded stages, full tensors for reports.
 
 A Plan with ``mesh.dp = D`` runs every pipeline rank's program on D replicas
-(:mod:`octopipe.simulate.ir.mesh` maps global ranks to (pipeline rank p,
+(:mod:`octopipe.ir.mesh` maps global ranks to (pipeline rank p,
 replica d)). This module is what the worker adds for that:
 
 - **groups**: for every pipeline rank, its data-parallel group (the D replicas),
@@ -49,8 +49,8 @@ from torch import nn
 
 from octopipe.capture import StageGraphs
 from octopipe.execute.runtime.models import BuiltModel
+from octopipe.ir import MeshSpec, mesh_spec
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import MeshSpec, mesh_spec
 from octopipe.transform import FSDPStage, ShardSpec, StageExecutable, compile_fsdp_stage, shard_parameters
 from octopipe.transform.fsdp import unshard_tensor
 

@@ -29,8 +29,8 @@ from octopipe.execute.runtime.comm import P2P
 from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime
 from octopipe.execute.runtime.mesh import MeshRank
 from octopipe.execute.runtime.models import build_model
+from octopipe.ir import rank_actions, stage_ranks
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir import rank_actions, stage_ranks
 from octopipe.transform import BWSplit, StageExecutable, split_backward
 
 __all__ = ["ABORT_KEY", "PLAN_KEY", "StepEvents", "WorkerConfig", "publish_plan", "same_layout", "worker_main"]

@@ -6,8 +6,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from octopipe.ir.actions import Action, action_from_proto, action_to_proto, parse_action
+from octopipe.ir.mesh import mesh_spec
+from octopipe.ir.plan_error import PlanError
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir.actions import Action, action_from_proto, action_to_proto, parse_action
 
 __all__ = [
     "PlanError",
@@ -17,10 +19,6 @@ __all__ = [
     "stage_ranks",
     "validate_plan",
 ]
-
-
-class PlanError(ValueError):
-    """A plan that is malformed; the message says where and what to change."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -90,8 +88,6 @@ def validate_plan(plan: plan_pb2.Plan) -> None:
     is complete). Deadlocks, data dependencies, the order of collectives and
     memory are the simulator's verifier's job.
     """
-    from octopipe.simulate.ir.mesh import mesh_spec  # noqa: PLC0415 - mesh imports PlanError from here
-
     if plan.num_microbatches < 1:
         raise PlanError(f"num_microbatches is {plan.num_microbatches}: a plan needs at least 1 micro-batch")
     if not plan.stages:

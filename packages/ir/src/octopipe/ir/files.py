@@ -8,10 +8,10 @@ from typing import Literal
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
+from octopipe.ir.plan import PlanError, validate_plan
+from octopipe.ir.text import plan_from_text, plan_to_text
+from octopipe.ir.torch_csv import plan_from_torch_csv, plan_to_torch_csv
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir.plan import PlanError, validate_plan
-from octopipe.simulate.ir.text import plan_from_text, plan_to_text
-from octopipe.simulate.ir.torch_csv import plan_from_torch_csv, plan_to_torch_csv
 
 __all__ = ["PlanFormat", "load_plan", "plan_format_for", "save_plan"]
 

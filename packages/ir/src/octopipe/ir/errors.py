@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from octopipe.ir.grid import format_grid
+from octopipe.ir.plan_error import PlanError
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir.grid import format_grid
-from octopipe.simulate.ir.plan import PlanError
 
 __all__ = [
     "ActionCountError",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from octopipe.simulate.ir.actions import Action, ActionKind
+from octopipe.ir.actions import Action, ActionKind
 
 __all__ = ["add_p2p_actions"]
 

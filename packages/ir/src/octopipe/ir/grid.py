@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from octopipe.ir.plan import rank_actions
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir.plan import rank_actions
 
 __all__ = ["format_grid"]
 

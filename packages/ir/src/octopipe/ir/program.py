@@ -27,10 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, NoReturn
 
+from octopipe.ir.errors import ActionCountError, DeadlockError, MissingInputError, VerificationError
+from octopipe.ir.mesh import mesh_spec
+from octopipe.ir.plan import validate_plan
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.errors import ActionCountError, DeadlockError, MissingInputError, VerificationError
-from octopipe.simulate.ir.mesh import mesh_spec
-from octopipe.simulate.ir.plan import validate_plan
 
 __all__ = ["Label", "Program", "compile_plan", "label_text"]
 

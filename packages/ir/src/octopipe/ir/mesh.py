@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from octopipe.ir.plan_error import PlanError
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir.plan import PlanError
 
 __all__ = ["MAX_WORLD_SIZE", "MeshSpec", "mesh_spec"]
 

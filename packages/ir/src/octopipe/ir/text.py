@@ -29,9 +29,9 @@ from typing import Final
 
 from google.protobuf import json_format
 
+from octopipe.ir.actions import action_from_proto, action_to_proto, format_action, parse_action
+from octopipe.ir.plan import PlanError, validate_plan
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir.actions import action_from_proto, action_to_proto, format_action, parse_action
-from octopipe.simulate.ir.plan import PlanError, validate_plan
 
 __all__ = ["HEADER", "plan_from_text", "plan_to_text"]
 

@@ -12,9 +12,9 @@ import csv
 import io
 from typing import Literal
 
+from octopipe.ir.actions import Action, parse_action
+from octopipe.ir.plan import PlanError, StageSpec, build_plan, rank_actions
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate.ir.actions import Action, parse_action
-from octopipe.simulate.ir.plan import PlanError, StageSpec, build_plan, rank_actions
 
 __all__ = ["CsvFormat", "plan_from_torch_csv", "plan_to_torch_csv"]
 

@@ -1,0 +1,56 @@
+"""octopipe.ir: the Plan IR (typed actions over ``octopipe.plan.v1``, text, torch CSV, files), its lowering passes and the per-rank program.
+
+Never imports torch.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from octopipe.ir.actions import (
+    Action,
+    ActionKind,
+    action_from_proto,
+    action_to_proto,
+    format_action,
+    parse_action,
+)
+from octopipe.ir.files import PlanFormat, load_plan, plan_format_for, save_plan
+from octopipe.ir.grid import format_grid
+from octopipe.ir.lower import add_p2p_actions
+from octopipe.ir.mesh import MeshSpec, mesh_spec
+from octopipe.ir.plan import PlanError, StageSpec, build_plan, rank_actions, stage_ranks, validate_plan
+from octopipe.ir.text import plan_from_text, plan_to_text
+from octopipe.ir.torch_csv import CsvFormat, plan_from_torch_csv, plan_to_torch_csv
+
+try:
+    __version__ = version("octopipe-ir")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "CsvFormat",
+    "MeshSpec",
+    "PlanError",
+    "PlanFormat",
+    "StageSpec",
+    "__version__",
+    "action_from_proto",
+    "action_to_proto",
+    "add_p2p_actions",
+    "build_plan",
+    "format_action",
+    "format_grid",
+    "load_plan",
+    "mesh_spec",
+    "parse_action",
+    "plan_format_for",
+    "plan_from_text",
+    "plan_from_torch_csv",
+    "plan_to_text",
+    "plan_to_torch_csv",
+    "rank_actions",
+    "save_plan",
+    "stage_ranks",
+    "validate_plan",
+]
