@@ -188,8 +188,10 @@ def test_lowering_adds_p2p_only_between_ranks() -> None:
     }
     placement = {0: 0, 1: 1, 2: 1, 3: 0}  # a V: stages 0 and 3 on rank 0
     lowered = add_p2p_actions(compute, placement)
-    assert [str(a) for a in lowered[0]] == "0F0 0SEND_F0 3RECV_F0 3F0 3B0 3SEND_B0 0RECV_B0 0B0".split()
-    assert [str(a) for a in lowered[1]] == "1RECV_F0 1F0 2F0 2SEND_F0 2RECV_B0 2B0 1B0 1SEND_B0".split()
+    # sends right after their producers; each channel's first receive at the start, the next one right after
+    # the computation that consumes the previous one (one message ahead), in the sender's order
+    assert [str(a) for a in lowered[0]] == "3RECV_F0 0F0 0SEND_F0 3F0 0RECV_B0 3B0 3SEND_B0 0B0".split()
+    assert [str(a) for a in lowered[1]] == "1RECV_F0 1F0 2RECV_B0 2F0 2SEND_F0 2B0 1B0 1SEND_B0".split()
     assert add_p2p_actions(lowered, placement) == lowered
 
 

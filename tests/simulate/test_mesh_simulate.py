@@ -16,6 +16,7 @@ from octopipe.simulate import (
     CostModel,
     GroupLinks,
     Link,
+    MissingInputError,
     StageCost,
     StageSpec,
     all_gather_us,
@@ -58,7 +59,7 @@ def with_fsdp(plan: plan_pb2.Plan, dp: int, *, unshard: bool = True) -> plan_pb2
 @pytest.mark.parametrize(
     "plan", [one_f_one_b(4, 8), zb_h1(3, 5), interleaved_1f1b(2, 2, 4)], ids=["1f1b", "zb-h1", "interleaved"]
 )
-@pytest.mark.parametrize("unshard", [True, False], ids=["fsdp", "replicated"])
+@pytest.mark.parametrize("unshard", [True], ids=["fsdp"])
 def test_free_collectives_time_a_mesh_plan_like_pipeline_only(plan: plan_pb2.Plan, unshard: bool) -> None:
     """With zero-cost collectives, dp = 8 gives the dp = 1 (no mesh) timeline, bit for bit."""
     stage = StageCost(forward_us=1.5, backward_input_us=2.25, backward_weight_us=0.75, output_bytes=100)
@@ -121,11 +122,11 @@ def test_collectives_are_timed_by_group_size_on_their_stream() -> None:
         ("0REDUCE_GRAD", "collective", 15.0, 27.0),  # 3/4 * 8000 B = 6 us, + 6 us
         ("0RESHARD", "collective", 27.0, 27.0),
     ]
-    replicated = simulate(
-        one_rank(HAND.replace("0UNSHARD ", "").replace(" 0RESHARD", ""), dp=4),
-        CostModel(stages=(stage,), collectives=links),
-    )
-    assert replicated.timeline()[-1].end_us == 6 + 2 * 12.0  # an all-reduce is two reduce-scatters
+    with pytest.raises(MissingInputError, match="put 0UNSHARD before it"):  # dp > 1 shards every stage
+        simulate(
+            one_rank(HAND.replace("0UNSHARD ", "").replace(" 0RESHARD", ""), dp=4),
+            CostModel(stages=(stage,), collectives=links),
+        )
 
 
 def test_sharded_memory_by_hand() -> None:
@@ -160,7 +161,7 @@ def test_all_to_all_is_paid_inside_forward_and_input_backward() -> None:
     links = GroupLinks(data_parallel=Link(), expert_parallel=Link(latency_us=1.0, bandwidth_bytes_per_second=1e9))
     a2a = all_to_all_us(links.expert_parallel_link(0), 2, 2000)
     assert a2a == 2.0
-    plan = one_rank("0F0 0I0 0W0 0F1 (0F2;0B1)OVERLAP_F_B 0B2 0REDUCE_GRAD", dp=2, ep=2, microbatches=3)
+    plan = one_rank("0UNSHARD 0F0 0I0 0W0 0F1 (0F2;0B1)OVERLAP_F_B 0B2 0REDUCE_GRAD", dp=2, ep=2, microbatches=3)
     spans = {
         t.action: t.end_us - t.start_us
         for t in simulate(plan, CostModel(stages=(stage,), collectives=links)).timeline()
@@ -207,7 +208,7 @@ def test_group_timed_collectives_agree_with_explicit_times_and_the_reference(dat
     """Timing UNSHARD / REDUCE_GRAD by group size gives, bit for bit, the step that the same ring times written
     into the StageCosts give, and both agree with the independent reference model."""
     dp = data.draw(st.sampled_from([2, 3, 8]))
-    unshard = data.draw(st.booleans())
+    unshard = True  # dp > 1 shards every stage (a replicated stage is refused: the runtime shards them all)
     plan = with_fsdp(data.draw(schedules()), dp, unshard=unshard)
     base = data.draw(cost_models(len(plan.stages), len(plan.ranks)))
     link = Link(
@@ -220,7 +221,7 @@ def test_group_timed_collectives_agree_with_explicit_times_and_the_reference(dat
         for stage, (params, grads) in zip(base.stages, sizes, strict=True)
     )
     by_group = replace(base, stages=stages, collectives=GroupLinks(data_parallel=link))
-    reduce = reduce_scatter_us if unshard else all_reduce_us
+    reduce = reduce_scatter_us
     explicit = replace(
         base,
         stages=tuple(
@@ -288,8 +289,6 @@ def test_expert_parallel_shares_by_hand() -> None:
     assert end == start + (reduce_scatter_us(link, 4, 200) + reduce_scatter_us(link, 2, 400))
     b0 = timeline["0B0"][0]
     assert simulation.memory_curve(0) == [(0.0, 1000 + 600), (b0, 1000 + 600 + 600), (end, 1000)]
-    replicated = one_rank(HAND.replace("0UNSHARD ", "").replace(" 0RESHARD", ""), dp=4, ep=2)
-    assert simulate(replicated, costs).estimate.ranks[0].static_memory_bytes == 600 + 600 + 1200
     # ep = 1: the experts are not split
     assert simulate(one_rank(HAND, dp=4), costs).memory_curve(0)[0] == (0.0, 1000 + 1000)
     with pytest.raises(ValueError, match="at most parameter_bytes"):

@@ -158,9 +158,11 @@ def test_reduce_grad_is_optional_without_data_parallelism() -> None:
     verify_plan(plan)
 
 
-def test_replicated_stages_need_no_unshard_but_still_reduce() -> None:
-    """A stage without UNSHARD keeps whole parameters (DDP-like); with dp > 1 it still reduces its gradients."""
+def test_data_parallel_stages_must_be_unsharded() -> None:
+    """With dp > 1 the runtime shards every stage (FSDP), so a stage computing without its UNSHARD is refused."""
     rank0 = RANK0.replace("0UNSHARD ", "").replace(" 0RESHARD", "")
-    verify_plan(fsdp_plan(rank0, RANK1))
-    with pytest.raises(ActionCountError, match="add 0REDUCE_GRAD"):
-        verify_plan(fsdp_plan(rank0.replace(" 0REDUCE_GRAD", ""), RANK1))
+    with pytest.raises(MissingInputError, match="put 0UNSHARD before it"):
+        verify_plan(fsdp_plan(rank0, RANK1))
+    verify_plan(fsdp_plan(rank0, RANK1, dp=1))  # without data parallelism UNSHARD is optional
+
+

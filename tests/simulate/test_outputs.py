@@ -92,12 +92,13 @@ def test_memory_by_hand() -> None:
     plan, profile = profile_for_gpipe()
     simulation = simulate(plan, profile)
     rank0, rank1 = simulation.estimate.ranks
-    # rank 0: F0 (+100 at 0), its send buffer (+4 from 2 to 7) and the posted RECV_B0 buffer (+4 from 2 to 20).
+    # rank 0: F0 (+100 at 0), its send buffer (+4 from 2 to 7) and the RECV_B0 buffer, posted at the start of
+    # the program (the channel's first receive), +4 from 0 to 20.
     assert (rank0.static_memory_bytes, rank0.peak_activation_bytes) == (40, 100)
     assert (rank0.peak_memory_bytes, rank0.peak_memory_time_us) == (148, 2)
     # rank 1: the RECV_F0 buffer (+4 from 0 until 1F0 ends at 9) and F0's activations from 7.
     assert (rank1.peak_memory_bytes, rank1.peak_memory_time_us) == (144, 7)
-    assert simulation.memory_curve(0) == [(0, 140), (2, 148), (7, 144), (20, 40)]
+    assert simulation.memory_curve(0) == [(0, 144), (2, 148), (7, 144), (20, 40)]
     assert simulation.memory_curve(1) == [(0, 44), (7, 144), (9, 140), (12, 44), (17, 40)]
 
 
@@ -244,7 +245,8 @@ def test_estimate_proto() -> None:
     assert message.ranks[1].memory_cap_bytes == 1 << 20
     assert not message.HasField("tokens_per_second")
     assert [len(t.records) for t in message.timelines] == [4, 4]
-    assert message.timelines[0].records[0].action.kind == plan_pb2.ACTION_KIND_FORWARD
+    assert message.timelines[0].records[0].action.kind == plan_pb2.ACTION_KIND_RECV_B  # posted at the start
+    assert message.timelines[0].records[1].action.kind == plan_pb2.ACTION_KIND_FORWARD
     assert message.critical_path[-1].action.kind == plan_pb2.ACTION_KIND_FULL_BACKWARD
     again = estimate_pb2.Estimate.FromString(message.SerializeToString())
     assert again == message

@@ -13,11 +13,20 @@ from octopipe.ir.actions import (
     format_action,
     parse_action,
 )
+from octopipe.ir.errors import (
+    ActionCountError,
+    DeadlockError,
+    MemoryCapError,
+    MissingInputError,
+    VerificationError,
+)
 from octopipe.ir.files import PlanFormat, load_plan, plan_format_for, save_plan
+from octopipe.ir.fsdp import PLACEMENTS, CollectivePlacement, place_collectives, with_collectives
 from octopipe.ir.grid import format_grid
 from octopipe.ir.lower import add_p2p_actions
 from octopipe.ir.mesh import MeshSpec, mesh_spec
 from octopipe.ir.plan import PlanError, StageSpec, build_plan, rank_actions, stage_ranks, validate_plan
+from octopipe.ir.program import Program, compile_plan
 from octopipe.ir.text import plan_from_text, plan_to_text
 from octopipe.ir.torch_csv import CsvFormat, plan_from_torch_csv, plan_to_torch_csv
 
@@ -27,23 +36,33 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "PLACEMENTS",
     "Action",
+    "ActionCountError",
     "ActionKind",
+    "CollectivePlacement",
     "CsvFormat",
+    "DeadlockError",
+    "MemoryCapError",
     "MeshSpec",
+    "MissingInputError",
     "PlanError",
     "PlanFormat",
+    "Program",
     "StageSpec",
+    "VerificationError",
     "__version__",
     "action_from_proto",
     "action_to_proto",
     "add_p2p_actions",
     "build_plan",
+    "compile_plan",
     "format_action",
     "format_grid",
     "load_plan",
     "mesh_spec",
     "parse_action",
+    "place_collectives",
     "plan_format_for",
     "plan_from_text",
     "plan_from_torch_csv",
@@ -53,4 +72,5 @@ __all__ = [
     "save_plan",
     "stage_ranks",
     "validate_plan",
+    "with_collectives",
 ]

@@ -1,25 +1,50 @@
-"""A Plan compiled for simulation: plain lists of ints, and every static check.
+"""The program: a Plan compiled once into per-rank lists that every consumer runs.
 
 ``compile_plan`` reads the proto once into per-rank lists (no protobuf access
 after this) and checks, rank by rank and in program order, that every action's
 inputs exist before it; then that every micro-batch has exactly one F and one B
-(or I and W) on every stage; then pairs sends with receives. Each p2p channel
-(source rank -> destination rank) is FIFO, as NCCL's per-pair streams and
-gloo's per-pair matching are: the k-th send on it meets the k-th receive.
+(or I and W) on every stage; then pairs sends with receives. The result, a
+:class:`Program`, is what the simulator times (``octopipe.simulate``), what the
+verifier checks and what the runtime interprets (``octopipe.execute``): one
+meaning of a plan.
 
-Collectives (UNSHARD, RESHARD, REDUCE_GRAD) act on one stage of the rank.
-Every replica of a pipeline rank runs the same program, so the members of a
-data-parallel group issue the same collectives in the same order by
-construction; the rules checked here are per program:
+What an action means, for all of them:
 
-* a stage with any UNSHARD uses explicit unsharding: each of its
-  computations needs an UNSHARD of it before, with no RESHARD in between
-  (a stage without UNSHARD keeps its parameters whole: replicated);
+* a compute action (F, I, W, B, OVERLAP_F_B) runs on the rank's compute
+  stream, one at a time, in program order; it first waits for the transfers it
+  consumes (``waits``, ``overlap_waits``) and for the UNSHARDs of its stages
+  (``unshard_waits``);
+* RECV posts the receive at its place in the program and never blocks the
+  program; the data is waited for by the compute action that consumes it;
+* SEND starts the send at its place (after the data was computed) and never
+  blocks; every send of a step completes by the end of the step;
+* every channel (source rank -> destination rank) completes its messages
+  strictly in the order they are issued, as NCCL runs a communicator's
+  operations on one stream: the runtime gives each direction between two ranks
+  its own communicator (channel), so the k-th send on a channel meets the k-th
+  receive posted on it, and a receive posted early never holds up a send in the
+  other direction. A plan is accepted only if every channel's receives are
+  posted in the order its sends are issued (``DeadlockError`` names the rank,
+  step and action where they part); so a plan that passes runs under NCCL's
+  in-order completion and under the runtime's strict-order gloo mode alike.
+  Each transfer waits for the previous transfer on its channel (``previous``);
+* UNSHARD, RESHARD and REDUCE_GRAD run in program order on the rank's
+  collective stream.
+
+Collectives act on one stage of the rank. Every replica of a pipeline rank
+runs the same program, so the members of a data-parallel group issue the same
+collectives in the same order by construction; the rules checked here are per
+program:
+
+* with a mesh of dp > 1 every stage's parameters are sharded: each of its
+  computations needs an UNSHARD of it before, with no RESHARD in between, and
+  the stage needs its REDUCE_GRAD (its replicas' gradients must be combined
+  before the optimizer step); without data parallelism the three are optional
+  (the runtime has nothing to gather or reduce), and a stage that has an
+  UNSHARD follows the same rules;
 * UNSHARD only while sharded, RESHARD only while unsharded;
 * REDUCE_GRAD at most once per stage and after the stage's last computation
-  (nothing of the stage computes after its gradients were reduced);
-* with a mesh of dp > 1, every stage needs its REDUCE_GRAD (its replicas'
-  gradients must be combined before the optimizer step).
+  (nothing of the stage computes after its gradients were reduced).
 """
 
 from __future__ import annotations
@@ -32,7 +57,7 @@ from octopipe.ir.mesh import mesh_spec
 from octopipe.ir.plan import validate_plan
 from octopipe.plan.v1 import plan_pb2
 
-__all__ = ["Label", "Program", "compile_plan", "label_text"]
+__all__ = ["Label", "Program", "compile_plan", "label_text", "message_id", "stream_of"]
 
 # Action kinds by their octopipe.plan.v1.ActionKind numbers.
 F: Final[int] = plan_pb2.ACTION_KIND_FORWARD
@@ -80,6 +105,27 @@ def label_text(label: Label) -> str:
     if kind in STAGE_WIDE:
         return f"{label[1]}{CODES[kind]}"
     return f"{label[1]}{CODES[kind]}{label[2]}"
+
+
+def stream_of(kind: int) -> str:
+    """The stream an action kind runs on: compute, send, recv or collective."""
+    if kind <= OVERLAP:
+        return "compute"
+    if kind in SENDS:
+        return "send"
+    if kind in P2P:
+        return "recv"
+    return "collective"
+
+
+def message_id(label: Label) -> tuple[int, int, int]:
+    """(SEND_F or SEND_B, stage of the sender, micro-batch): the same on both ends of a message."""
+    kind, stage, mb = label[0], label[1], label[2]
+    if kind == RECV_F:
+        return (SEND_F, stage - 1, mb)
+    if kind == RECV_B:
+        return (SEND_B, stage + 1, mb)
+    return (kind, stage, mb)
 
 
 @dataclass(eq=False)
@@ -173,7 +219,10 @@ def _check_rank(c: _Compiler, rank: int) -> dict[Label, int]:
     outgoing: dict[int, list[int]] = {}
     incoming: dict[int, list[int]] = {}
     seen: dict[Label, int] = {}
-    fsdp = {label[1] for label in row if label[0] == UNSHARD}
+    if c.dp > 1:  # a mesh shards every stage's parameters over its data-parallel group
+        fsdp = {s for s in range(c.num_stages) if placement[s] == rank}
+    else:
+        fsdp = {label[1] for label in row if label[0] == UNSHARD}
     unsharded: dict[int, int] = {}
     reduced: dict[int, int] = {}
 

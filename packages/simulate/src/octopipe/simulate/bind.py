@@ -4,8 +4,7 @@ Plans with a mesh of dp > 1 (data parallelism; see ``octopipe.ir.mesh``):
 
 * time: with ``CostModel.collectives`` set, UNSHARD is a ring all-gather of
   the stage's unsharded bytes and REDUCE_GRAD a ring reduce-scatter of its
-  gradient bytes over the pipeline rank's data-parallel group (an all-reduce
-  for a stage without UNSHARD, whose parameters are replicated); with ep > 1
+  gradient bytes over the pipeline rank's data-parallel group; with ep > 1
   each F, I and B also pays its stage's MoE all-to-alls over the
   expert-parallel group (a unit of OVERLAP_F_B takes the longer of its compute
   and its two halves' all-to-alls: each half's all-to-all runs under the other
@@ -18,15 +17,15 @@ Plans with a mesh of dp > 1 (data parallelism; see ``octopipe.ir.mesh``):
   part over the dp group and the rank's experts over the dp/ep replicas that
   share them (two collectives, one after the other; the second timed with the
   data-parallel link for a group of dp/ep ranks);
-* memory: a stage with UNSHARD is sharded (FSDP): its parameters, gradients
+* memory: with dp > 1 every stage is sharded (FSDP; the program compiler
+  requires its UNSHARD, as the runtime does): its parameters, gradients
   and optimizer state count 1/dp (rounded up) as static bytes (experts
   included: 1/ep of them over dp/ep replicas is also 1/dp); UNSHARD holds
   the unsharded parameters until RESHARD (as without a mesh); its unsharded
   gradients are held from the start of its first weight-gradient computation
   (W, B, or an OVERLAP_F_B with a B of it) until REDUCE_GRAD ends, after which
   only the sharded gradients (in the static bytes) remain; unsharded means the
-  rank's share (dense + experts / ep). A stage without UNSHARD is replicated:
-  its share of whole static bytes.
+  rank's share (dense + experts / ep).
 
 Without a mesh (or with dp = ep = 1) nothing here changes a duration or a byte.
 """
@@ -47,7 +46,7 @@ from octopipe.ir.program import (
     Program,
     W,
 )
-from octopipe.simulate.collectives import all_gather_us, all_reduce_us, all_to_all_us, reduce_scatter_us
+from octopipe.simulate.collectives import all_gather_us, all_to_all_us, reduce_scatter_us
 from octopipe.simulate.costs import CostModel, StageCost
 
 __all__ = ["Bound", "bind"]
@@ -153,16 +152,11 @@ def bind(program: Program, costs: CostModel) -> Bound:
     released = [[0] * len(row) for row in program.labels]
     for stage, rank in enumerate(program.placement):
         cost = costs.stages[stage]
-        if program.dp > 1 and stage in program.sharded_stages:
+        if program.dp > 1:  # every stage is sharded (compile_plan requires its UNSHARD)
+            assert stage in program.sharded_stages
             static[rank] += _sharded_static(cost, program.dp)
             gradients = _local(cost, cost.gradient_bytes, program.ep)
             _hold_gradients(program, rank, stage, gradients, unsharded[rank], released[rank])
-        elif program.dp > 1:
-            ep = program.ep
-            static[rank] += sum(
-                _local(cost, size, ep)
-                for size in (cost.parameter_bytes, cost.gradient_bytes, cost.optimizer_state_bytes)
-            )
         else:
             static[rank] += cost.static_bytes
     return Bound(
@@ -197,11 +191,10 @@ def _mesh_durations(program: Program, costs: CostModel, table: dict[tuple[int, i
                 if expert:
                     table[stage, UNSHARD] += all_gather_us(expert_link, dp // ep, -(-expert // ep))
             if (stage, ActionKind.REDUCE_GRAD) not in measured:
-                reduce = reduce_scatter_us if stage in program.sharded_stages else all_reduce_us
                 expert = _expert_part(cost, cost.gradient_bytes) if ep > 1 else 0
-                table[stage, REDUCE_GRAD] = reduce(dense_link, dp, cost.gradient_bytes - expert)
+                table[stage, REDUCE_GRAD] = reduce_scatter_us(dense_link, dp, cost.gradient_bytes - expert)
                 if expert:
-                    table[stage, REDUCE_GRAD] += reduce(expert_link, dp // ep, -(-expert // ep))
+                    table[stage, REDUCE_GRAD] += reduce_scatter_us(expert_link, dp // ep, -(-expert // ep))
         if program.ep > 1 and cost.all_to_all_bytes:
             link = links.expert_parallel_link(rank, program.ep)
             a2a[stage] = all_to_all_us(link, program.ep, cost.all_to_all_bytes)

@@ -7,9 +7,10 @@ ended, the transfers it consumes have arrived and the UNSHARDs it needs are
 done. SEND and RECV only post work and never block the program: a transfer
 starts when the send is posted (after the data was computed), the receive is
 posted, and the previous transfer on the same channel (source -> destination)
-has arrived; it takes ``latency + bytes / bandwidth``. UNSHARD, RESHARD and
-REDUCE_GRAD run in order on the rank's collective stream, from when they are
-posted.
+has arrived (a channel completes its messages in issue order, as NCCL does on
+the communicator the runtime gives each channel); it takes
+``latency + bytes / bandwidth``. UNSHARD, RESHARD and REDUCE_GRAD run in order
+on the rank's collective stream, from when they are posted.
 
 Every stream is FIFO in program order, so there are no priority decisions:
 times are a longest-path computation over the plan's DAG (max and + only),
@@ -115,8 +116,12 @@ def run(program: Program, durations: list[list[float]], transfer_us: list[float]
                     if posted_recv[transfer] > begin:
                         begin = posted_recv[transfer]
                     before = previous[transfer]
-                    if before >= 0 and t_end[before] > begin:
-                        begin = t_end[before]
+                    if before >= 0:
+                        # a channel's receives are posted in its send order (compile_plan), so the
+                        # previous transfer had both ends posted before this one: it is timed
+                        assert t_end[before] >= 0.0
+                        if t_end[before] > begin:
+                            begin = t_end[before]
                     t_start[transfer] = begin
                     t_end[transfer] = begin + transfer_us[transfer]
                     if waiter[transfer] >= 0:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from octopipe.estimate.v1 import estimate_pb2
 from octopipe.ir.actions import action_to_proto, parse_action
-from octopipe.ir.program import COMPUTE, OVERLAP, P2P, SENDS, STAGE_WIDE, Label, Program
+from octopipe.ir.program import COMPUTE, OVERLAP, STAGE_WIDE, Label, Program, stream_of
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate.engine import Timing
 
@@ -133,17 +133,6 @@ class Estimate:
                 end_us=step.end_us,
             )
         return message
-
-
-def stream_of(kind: int) -> str:
-    """The stream an action kind runs on: compute, send, recv or collective."""
-    if kind <= OVERLAP:
-        return "compute"
-    if kind in SENDS:
-        return "send"
-    if kind in P2P:
-        return "recv"
-    return "collective"
 
 
 def label_proto(label: Label) -> plan_pb2.Action:

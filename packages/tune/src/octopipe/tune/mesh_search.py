@@ -15,7 +15,7 @@ For each (pp, dp, m) the search
 1. partitions the layers into stages balanced by F + I + W time,
 2. takes every library schedule of the chosen placement families (see
    ``octopipe.tune.LIBRARY``) and places UNSHARD / RESHARD / REDUCE_GRAD under
-   each :data:`~octopipe.tune.fsdp.PLACEMENTS` policy,
+   each :data:`~octopipe.ir.fsdp.PLACEMENTS` policy,
 3. simulates ONE pipeline replica (all replicas are identical: the simulator
    times the collectives by the group size dp and counts the sharded bytes),
 
@@ -37,7 +37,7 @@ from octopipe.ir import validate_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import CostModel, Estimate, GroupLinks, Link, OverlapModel, SimulationConfig, simulate
-from octopipe.tune.fsdp import PLACEMENTS, CollectivePlacement, place_collectives
+from octopipe.ir.fsdp import PLACEMENTS, CollectivePlacement, place_collectives
 from octopipe.tune.optimizer import TuneConfig, _Search
 from octopipe.tune.problem import (
     FAMILIES,
