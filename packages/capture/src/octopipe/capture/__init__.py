@@ -7,8 +7,10 @@ as inputs. octopipe.transform splits the backward into B and W graphs.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from octopipe.capture.graph_split import GraphStage, TiedParameter, split_graph, tied_parameters
 from octopipe.capture.graphs import StageGraphs
 from octopipe.capture.hf import hf_causal_lm_spec, is_hf_causal_lm
+from octopipe.capture.model_graph import ModelGraph, discover_layers, trace_model
 from octopipe.capture.spec import pipeline_spec
 from octopipe.capture.stage import StageModule, split_model
 from octopipe.capture.trace import CaptureConfig, capture_stage, live_nodes, prune_dead_nodes
@@ -22,17 +24,24 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 __all__ = [
     "CaptureConfig",
     "CaptureError",
+    "GraphStage",
     "LayerSpec",
     "LossFn",
+    "ModelGraph",
     "PipelineSpec",
     "StageGraphs",
     "StageModule",
+    "TiedParameter",
     "__version__",
     "capture_stage",
+    "discover_layers",
     "hf_causal_lm_spec",
     "is_hf_causal_lm",
     "live_nodes",
     "pipeline_spec",
     "prune_dead_nodes",
+    "split_graph",
     "split_model",
+    "tied_parameters",
+    "trace_model",
 ]

@@ -20,7 +20,8 @@ class StageGraphs:
       ``num_outputs`` outputs (the boundary activation, or the loss on the
       last stage) followed by ``num_saved`` tensors saved for the backward.
     - ``backward(*saved, *output_grads) -> (*param_grads, *buffer_grads, *input_grads)``:
-      one entry per forward input, ``None`` where no gradient flows (buffers,
+      ``output_grads`` has one entry per output that requires grad (``output_requires_grad``);
+      one result per forward input, ``None`` where no gradient flows (buffers,
       token ids, targets).
 
     ``param_names`` and ``buffer_names`` are the stage's (and the original
@@ -41,6 +42,8 @@ class StageGraphs:
     recompute_regions: int
     #: dead backward nodes removed, e.g. a recomputed dropout whose result nothing uses
     pruned_nodes: tuple[str, ...]
+    #: which outputs carry a gradient; the backward takes one output gradient for each of those, in order
+    output_requires_grad: tuple[bool, ...] = (True,)
 
     @property
     def num_params(self) -> int:

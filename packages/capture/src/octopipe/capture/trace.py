@@ -140,13 +140,14 @@ def _trace(
     inputs: Sequence[torch.Tensor],
     grads_in: Sequence[bool],
     config: CaptureConfig,
-) -> tuple[fx.GraphModule, fx.GraphModule, int]:
+) -> tuple[fx.GraphModule, fx.GraphModule, int, tuple[bool, ...]]:
     num_p, num_b = len(param_names), len(buffer_names)
 
     def joint(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         state = dict(zip(param_names, flat[:num_p], strict=True))
         state.update(zip(buffer_names, flat[num_p : num_p + num_b], strict=True))
-        return (functional_call(module, state, tuple(flat[num_p + num_b :]), strict=True),)
+        out = functional_call(module, state, tuple(flat[num_p + num_b :]), strict=True)
+        return (out,) if isinstance(out, torch.Tensor) else tuple(out)
 
     captured: dict[str, fx.GraphModule] = {}
 
@@ -168,11 +169,12 @@ def _trace(
         args = [p.detach().requires_grad_(p.requires_grad) for p in params]
         args += [b.detach() for b in buffers]
         args += [x.detach().requires_grad_(g) for x, g in zip(inputs, grads_in, strict=True)]
-        (out,) = compiled(*args)
-        if not out.requires_grad:
+        outs = compiled(*args)
+        differentiable = [o for o in outs if o.requires_grad]
+        if not differentiable:
             raise CaptureError("the stage's output does not depend on any parameter or input that needs a gradient")
-        out.backward(torch.ones_like(out))
-    return captured["forward"], captured["backward"], len(regions)
+        torch.autograd.backward(differentiable, [torch.ones_like(o) for o in differentiable])
+    return captured["forward"], captured["backward"], len(regions), tuple(o.requires_grad for o in outs)
 
 
 @contextlib.contextmanager
@@ -242,6 +244,11 @@ def capture_stage(
         raise ValueError(f"partitioner must be 'default' or 'min_cut', got {config.partitioner!r}")
     inputs = list(example_inputs)
     grads_in = [i == 0 and x.is_floating_point() for i, x in enumerate(inputs)]
+    marked: tuple[bool, ...] | None = getattr(stage, "input_requires_grad", None)
+    if marked is not None:  # a graph stage knows which boundary tensors carry gradients
+        if len(marked) != len(inputs):
+            raise ValueError(f"stage {stage_index} takes {len(marked)} inputs, got {len(inputs)} example inputs")
+        grads_in = list(marked)
     param_names, params, buffer_names, buffers = _graph_inputs(stage)
     routes = ["direct", "export"] if config.route == "auto" else [config.route]
     failures: list[str] = []
@@ -251,7 +258,9 @@ def capture_stage(
             try:
                 if route == "export":
                     module = torch.export.export(stage, tuple(inputs), strict=False).module()
-                fw, bw, regions = _trace(module, param_names, buffer_names, params, buffers, inputs, grads_in, config)
+                fw, bw, regions, out_grads = _trace(
+                    module, param_names, buffer_names, params, buffers, inputs, grads_in, config
+                )
             except CaptureError:
                 raise
             except Exception as exc:
@@ -259,10 +268,10 @@ def capture_stage(
                 continue
         pruned = prune_dead_nodes(bw)
         placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
-        num_tangents = 1
+        num_tangents = sum(out_grads)
         num_saved = len(placeholders) - num_tangents
         fw_out = next(n for n in reversed(fw.graph.nodes) if n.op == "output").args[0]
-        leading = len(fw_out) - 1 - num_saved
+        leading = len(fw_out) - len(out_grads) - num_saved
         if leading != 0:
             raise CaptureError(
                 f"stage {stage_index} mutates {leading} buffer(s) in place (e.g. running statistics); "
@@ -274,11 +283,12 @@ def capture_stage(
             param_names=tuple(param_names),
             buffer_names=tuple(buffer_names),
             num_inputs=len(inputs),
-            num_outputs=1,
+            num_outputs=len(out_grads),
             num_saved=num_saved,
             input_requires_grad=tuple(grads_in),
             route=route,
             recompute_regions=regions,
             pruned_nodes=pruned,
+            output_requires_grad=out_grads,
         )
     raise CaptureError("\n".join(failures))

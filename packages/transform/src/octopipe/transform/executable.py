@@ -67,10 +67,47 @@ class StageExecutable:
             outputs, saved = self.graphs.run_forward(self.params, self.buffers, list(inputs))
         return outputs[0], ForwardContext(saved)
 
-    def _bw_inputs(self, ctx: ForwardContext, output_grad: torch.Tensor) -> list[torch.Tensor]:
+    def forward_all(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], ForwardContext]:
+        """F for a stage with several boundary outputs (hidden states, router logits, ...): all of them."""
+        with torch.no_grad():
+            outputs, saved = self.graphs.run_forward(self.params, self.buffers, list(inputs))
+        return outputs, ForwardContext(saved)
+
+    def _output_grads(self, output_grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """The gradients of the outputs that carry one (``graphs.output_requires_grad``), in order."""
+        flags = self.graphs.output_requires_grad
+        if len(output_grads) != len(flags):
+            raise ValueError(
+                f"expected one gradient (or None) per stage output ({len(flags)}), got {len(output_grads)}"
+            )
+        grads = []
+        for index, (grad, needed) in enumerate(zip(output_grads, flags, strict=True)):
+            if needed and grad is None:
+                raise ValueError(f"output {index} of the stage carries a gradient: pass it, not None")
+            if needed and grad is not None:
+                grads.append(grad)
+        return grads
+
+    def backward_input_all(
+        self, ctx: ForwardContext, output_grads: Sequence[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor | None], WeightContext]:
+        """B for a stage with several outputs: one gradient (or None) per output in, one per input out."""
+        return self._backward_input(self._bw_inputs(ctx, self._output_grads(output_grads)))
+
+    def full_backward_all(
+        self, ctx: ForwardContext, output_grads: Sequence[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """B and W fused, for a stage with several outputs: (input grads, parameter grads)."""
+        grads = self._output_grads(output_grads)
+        values = self._bw_inputs(ctx, grads)
+        with torch.no_grad():
+            param_grads, input_grads = self.graphs.run_backward(values[: len(values) - len(grads)], grads)
+        return input_grads, param_grads
+
+    def _bw_inputs(self, ctx: ForwardContext, output_grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if ctx.saved is None:
             raise RuntimeError("this micro-batch's backward already ran: its saved activations are gone")
-        values = [*ctx.saved, output_grad]
+        values = [*ctx.saved, *output_grads]
         ctx.saved = None
         return values
 
@@ -78,7 +115,9 @@ class StageExecutable:
         self, ctx: ForwardContext, output_grad: torch.Tensor
     ) -> tuple[list[torch.Tensor | None], WeightContext]:
         """B: gradients for the stage inputs; the context W needs."""
-        values = self._bw_inputs(ctx, output_grad)
+        return self._backward_input(self._bw_inputs(ctx, [output_grad]))
+
+    def _backward_input(self, values: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], WeightContext]:
         split = self.split
         with torch.no_grad():
             results = list(split.backward_input(*[values[i] for i in split.b_inputs]))
@@ -98,7 +137,7 @@ class StageExecutable:
         self, ctx: ForwardContext, output_grad: torch.Tensor
     ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """B and W fused in one graph: (input grads, parameter grads)."""
-        values = self._bw_inputs(ctx, output_grad)
+        values = self._bw_inputs(ctx, [output_grad])
         with torch.no_grad():
             param_grads, input_grads = self.graphs.run_backward(values[:-1], values[-1:])
         return input_grads, param_grads
