@@ -2,7 +2,7 @@
 
 For each workload (llama-8, moe-ep-4 at the sizes below) and schedule (1F1B,
 ZB-H1), with UNSHARD / REDUCE_GRAD / RESHARD placed by
-``octopipe.execute.runtime.fsdp_actions.add_fsdp_actions``:
+``octopipe.ir.with_collectives`` (UNSHARD one compute action ahead, RESHARD after the last use):
 
 1. profile the layers on one pinned thread, on one micro-batch of the mesh's
    size (global batch / (dp * m));
@@ -60,7 +60,7 @@ from octopipe.execute.runtime import (
     timelines_to_proto,
     workload_reference,
 )
-from octopipe.execute.runtime.fsdp_actions import add_fsdp_actions
+from octopipe.ir import CollectivePlacement, with_collectives
 from octopipe.ir import ActionKind, parse_action
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
@@ -90,7 +90,7 @@ def mesh_plans(reference: plan_pb2.ModelReference, ep: int) -> list[plan_pb2.Pla
         plan.model.CopyFrom(reference)
         plan.mesh.dp = DP
         plan.mesh.ep = ep
-        plans.append(add_fsdp_actions(plan))
+        plans.append(with_collectives(plan, CollectivePlacement(prefetch=False, ahead=1, reshard=True)))
     return plans
 
 

@@ -23,18 +23,27 @@ import torch
 
 from octopipe.capture import StageGraphs, split_model
 from octopipe.execute.runtime import (
-    P2P,
+    Channels,
     RankRuntime,
     RunResult,
-    StepFailure,
     build_model,
     reference_run,
     run_local_many,
     workload_reference,
 )
-from octopipe.execute.runtime.fsdp_actions import add_fsdp_actions, check_sharded_programs
 from octopipe.execute.runtime.mesh import MeshRank, replica_batch
-from octopipe.ir import PlanError, action_to_proto, parse_action, rank_actions
+from octopipe.ir import (
+    ActionCountError,
+    MissingInputError,
+    PlanError,
+    StageSpec,
+    VerificationError,
+    action_to_proto,
+    build_plan,
+    compile_plan,
+    rank_actions,
+    with_collectives,
+)
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform import StageExecutable, compile_stage
 from octopipe.tune import (
@@ -50,6 +59,8 @@ from tests.execute.test_runtime import overlapped_1f1b
 
 DP = 2
 M = 4
+#: the runtime tests' placement: UNSHARD one compute action ahead of the stage's first use, RESHARD after its last
+AHEAD = CollectivePlacement(prefetch=False, ahead=1, reshard=True)
 
 
 def mesh_plans(workload: str, *, ep: int) -> list[plan_pb2.Plan]:
@@ -68,7 +79,7 @@ def mesh_plans(workload: str, *, ep: int) -> list[plan_pb2.Plan]:
         plan.model.CopyFrom(reference)
         plan.mesh.dp = DP
         plan.mesh.ep = ep
-        out.append(add_fsdp_actions(plan))
+        out.append(with_collectives(plan, AHEAD))
     return out
 
 
@@ -118,7 +129,7 @@ def test_moe_pp1_dp4_ep2_sums_expert_gradients_over_the_ep_groups() -> None:
     plan = gpipe(1, m, layer_names=[build_model(reference).model.pipeline_layers()])  # type: ignore[operator]
     plan.model.CopyFrom(reference)
     plan.mesh.dp, plan.mesh.ep = 4, 2
-    plan = add_fsdp_actions(plan)
+    plan = with_collectives(plan, AHEAD)
     (run,) = run_local_many([plan], steps=2, keep_grads=True, keep_params=True, timeout_s=180, pin_cores=False)
     ref = reference_run(plan.model, num_microbatches=4 * m, steps=2)
     assert run.losses == pytest.approx(ref.losses, rel=1e-6)
@@ -187,41 +198,51 @@ def _without(plan: plan_pb2.Plan, rank: int, text: str) -> plan_pb2.Plan:
     return out
 
 
-def test_sharded_programs_without_unshard_or_reduce_grad_are_refused() -> None:
+def test_sharded_programs_without_unshard_or_reduce_grad_are_refused_before_any_rank_starts() -> None:
     plan = mesh_plans("llama-8", ep=1)[0]
-    check_sharded_programs(plan)
-    with pytest.raises(ValueError, match=r"rank 1, action \d+ \(1F0\): stage 1 is sharded .* put '1UNSHARD' before"):
+    compile_plan(plan)
+    with pytest.raises(
+        MissingInputError, match=r"rank 1, step \d+ \(1F0\): stage 1's unsharded parameters .* put 1UNSHARD"
+    ):
         run_local_many([_without(plan, 1, "1UNSHARD")])
-    with pytest.raises(ValueError, match=r"rank 0: stages \[0\] .* never run REDUCE_GRAD"):
+    with pytest.raises(ActionCountError, match=r"rank 0, .*add 0REDUCE_GRAD to rank 0 after the stage's last backward"):
         run_local_many([_without(plan, 0, "0REDUCE_GRAD")])
     moved = plan_pb2.Plan()
     moved.CopyFrom(plan)
     first_f = next(i for i, a in enumerate(rank_actions(plan)[0]) if str(a) == "0F1")
     actions = list(plan.ranks[0].actions)
+    reshard = next(i for i, a in enumerate(rank_actions(plan)[0]) if str(a) == "0RESHARD")
     del moved.ranks[0].actions[:]
-    moved.ranks[0].actions.extend([*actions[:first_f], actions[-1], *actions[first_f:]])  # a RESHARD in the middle
-    with pytest.raises(ValueError, match=r"\(0F1\): stage 0 is sharded .* not gathered"):
-        check_sharded_programs(moved)
+    moved.ranks[0].actions.extend(
+        [*actions[:first_f], actions[reshard], *actions[first_f:reshard], *actions[reshard + 1 :]]
+    )
+    with pytest.raises(MissingInputError, match=r"\(0F1\): stage 0's unsharded parameters"):
+        run_local_many([moved])
 
 
-def test_add_fsdp_actions_prefetches_the_next_stage_and_reduces_after_the_last_backward() -> None:
+def test_with_collectives_places_unshard_ahead_and_reduces_after_the_last_backward() -> None:
     plan = mesh_plans("llama-8", ep=1)[2]  # interleaved: stages 0 and 2 on rank 0
     program = rank_actions(plan)[0]
     texts = [str(a) for a in program]
     compute = [i for i, a in enumerate(program) if a.kind.is_compute]
     first_use = next(i for i in compute if program[i].stage == 2)
     previous = max(i for i in compute if i < first_use)
-    assert texts.index("2UNSHARD") == previous - 1  # gathered one compute action early: prefetched
-    assert texts.index("0UNSHARD") == 0
+    # gathered one compute action early (prefetched): the next computation after it is the one before first use
+    assert next(i for i in compute if i > texts.index("2UNSHARD")) == previous
+    assert texts.index("0UNSHARD") < compute[0]
     for stage in (0, 2):
         last_backward = max(i for i in compute if program[i].stage == stage and program[i].kind.name != "FORWARD")
-        assert texts[last_backward + 1 : last_backward + 3] == [f"{stage}REDUCE_GRAD", f"{stage}RESHARD"]
-    assert add_fsdp_actions(plan) == plan  # idempotent
-    exact = add_fsdp_actions(plan, prefetch=0, reshard=False)
+        after = [a for a in texts[last_backward + 1 :] if not ("SEND" in a or "RECV" in a)][:2]
+        assert after == [f"{stage}RESHARD", f"{stage}REDUCE_GRAD"]
+    assert with_collectives(plan, AHEAD) == plan  # idempotent
+    exact = with_collectives(plan, CollectivePlacement(prefetch=False))
     texts = [str(a) for a in rank_actions(exact)[0]]
-    assert texts[texts.index("2UNSHARD") + 1].startswith("2F")
+    following = [a for a in texts[texts.index("2UNSHARD") + 1 :] if not ("SEND" in a or "RECV" in a)]
+    assert following[0].startswith("2F")
     assert "0RESHARD" not in texts
-    check_sharded_programs(exact)
+    compile_plan(exact)
+    with pytest.raises(ValueError, match="ahead applies without prefetch"):
+        CollectivePlacement(prefetch=True, ahead=1)
 
 
 # ---- the interpreter's own refusals (one process, no group: a stand-in sharded stage) ----
@@ -265,37 +286,32 @@ def one_stage() -> tuple[StageExecutable, Batches]:
 
 def _runtime(program: str, exe: StageExecutable) -> tuple[RankRuntime, _FakeSharded]:
     fake = _FakeSharded(exe)
-    actions = [parse_action(a) for a in program.split()]
-    p2p = P2P(
+    plan = build_plan(stages=[StageSpec(rank=0)], actions={0: program.split()}, num_microbatches=2)
+    compiled = compile_plan(plan)
+    channels = Channels(
+        program=compiled,
         rank=0,
-        programs={0: actions},
-        stage_rank={0: 0},
-        num_microbatches=2,
-        buffer_spec=lambda key: (torch.Size([1]), torch.float32),
+        buffer_spec=lambda t: (torch.Size([1]), torch.float32),
         timeout_s=5,
         aborted=lambda: None,
     )
-    runtime = RankRuntime(rank=0, program=actions, stages={0: fake}, stage_rank={0: 0}, num_microbatches=2, p2p=p2p)
-    return runtime, fake
+    return RankRuntime(rank=0, program=compiled, stages={0: fake}, channels=channels), fake
 
 
 @pytest.mark.parametrize(
-    ("program", "error"),
+    ("program", "error", "says"),
     [
-        ("0F0 0B0 0F1 0B1 0REDUCE_GRAD", r"action 0 \(0F0\): stage 0 is sharded .*put '0UNSHARD' before"),
-        ("0UNSHARD 0F0 0B0 0RESHARD 0F1 0B1 0REDUCE_GRAD", r"\(0F1\): .*RESHARD dropped its gathered parameters"),
-        ("0UNSHARD 0F0 0B0 0F1 0B1", r"never ran REDUCE_GRAD"),
-        ("0UNSHARD 0F0 0B0 0REDUCE_GRAD 0F1 0B1", r"\(0B1\): a backward of stage 0 runs after its REDUCE_GRAD"),
-        ("0UNSHARD 0F0 0UNSHARD 0B0 0F1 0B1 0REDUCE_GRAD", r"\(0UNSHARD\): stage 0 is unsharded already"),
+        ("0UNSHARD 0F0 0B0 0RESHARD 0F1 0B1 0REDUCE_GRAD", MissingInputError, r"\(0F1\): stage 0's unsharded"),
+        ("0UNSHARD 0F0 0B0 0REDUCE_GRAD 0F1 0B1", VerificationError, r"\(0F1\): stage 0's gradients were reduced"),
+        ("0UNSHARD 0F0 0UNSHARD 0B0 0F1 0B1 0REDUCE_GRAD", VerificationError, r"\(0UNSHARD\): stage 0 is already"),
     ],
 )
-def test_the_interpreter_refuses_a_sharded_stage_used_out_of_order(
-    one_stage: tuple[StageExecutable, Batches], program: str, error: str
+def test_a_sharded_stage_used_out_of_order_never_reaches_the_interpreter(
+    program: str, error: type[VerificationError], says: str
 ) -> None:
-    exe, microbatches = one_stage
-    runtime, _ = _runtime(program, exe)
-    with pytest.raises(StepFailure, match=error):
-        runtime.run_step(0, microbatches)
+    """The interpreter runs only compiled programs; the compiler refuses these, naming the step."""
+    with pytest.raises(error, match=says):
+        compile_plan(build_plan(stages=[StageSpec(rank=0)], actions={0: program.split()}, num_microbatches=2))
 
 
 def test_the_interpreter_gathers_every_step_and_reduces_once(one_stage: tuple[StageExecutable, Batches]) -> None:

@@ -140,6 +140,6 @@ def test_every_schedule_equals_the_reference_bitwise(workload: str, ranks: int) 
 def test_a_failing_rank_stops_every_rank_with_its_error() -> None:
     plan = make_plan(one_f_one_b, "llama-8", 2, 4)
     started = time.monotonic()
-    with pytest.raises(RunFailed, match=r"rank 0, step 1, action 2 \(0F1\): injected failure after 3 actions"):
+    with pytest.raises(RunFailed, match=r"rank 0, step 1, action 2 \(0SEND_F0\): injected failure after 3 actions"):
         run_local(plan, steps=2, timeout_s=30, fail_at={0: (1, 3)})
     assert time.monotonic() - started < 30 + 15  # the other rank does not hang

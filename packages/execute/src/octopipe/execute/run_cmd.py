@@ -34,6 +34,7 @@ def add_parser(sub: Any) -> None:
 
 def _join_torchrun(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
     from octopipe.execute.runtime import WorkerConfig, worker_main  # noqa: PLC0415
+    from octopipe.simulate import verify_plan  # noqa: PLC0415
 
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -44,6 +45,7 @@ def _join_torchrun(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
         ) from None
     if world != len(plan.ranks):
         raise ValueError(f"the launch has {world} ranks but the plan needs {len(plan.ranks)}")
+    verify_plan(plan)  # every launch path verifies first: a plan the verifier rejects never runs
     args.out.mkdir(parents=True, exist_ok=True)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     worker_main(

@@ -52,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, NoReturn
 
+from octopipe.ir.actions import Action, action_from_proto
 from octopipe.ir.errors import ActionCountError, DeadlockError, MissingInputError, VerificationError
 from octopipe.ir.mesh import mesh_spec
 from octopipe.ir.plan import validate_plan
@@ -172,6 +173,10 @@ class Program:
 
     def text(self, rank: int, step: int) -> str:
         return label_text(self.labels[rank][step])
+
+    def actions(self, rank: int) -> list[Action]:
+        """A rank's steps as Action objects, in program order (what the runtime interprets)."""
+        return [action_from_proto(message) for message in self.plan.ranks[rank].actions]
 
     def transfers_waited(self, rank: int, step: int) -> list[int]:
         """The transfers a compute step consumes."""

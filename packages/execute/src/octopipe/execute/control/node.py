@@ -43,8 +43,9 @@ from octopipe.execute.control.security import CertPaths, secure_channel
 from octopipe.execute.linkprobe import free_port
 from octopipe.execute.runtime.models import WORKLOAD_SOURCE
 from octopipe.execute.runtime.worker import ABORT_KEY, WorkerConfig, publish_plan, same_layout, worker_main
-from octopipe.ir import PlanError, mesh_spec, validate_plan
+from octopipe.ir import PlanError, mesh_spec
 from octopipe.node.v1 import node_pb2, node_pb2_grpc
+from octopipe.simulate import verify_plan
 
 __all__ = ["NodeConfig", "NodeDaemon"]
 
@@ -271,7 +272,7 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
             if not run.request.adaptive:
                 return answer("the run was not started adaptive: submit it with adapt to switch plans while it runs")
             try:
-                validate_plan(request.plan)
+                verify_plan(request.plan)  # the same verification as every launch path
             except PlanError as exc:
                 return answer(f"invalid plan: {exc}")
             problem = same_layout(run.request.plan, request.plan)
@@ -296,7 +297,7 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
         if not request.HasField("plan") or not request.HasField("assignment"):
             return "a push needs a plan and an assignment"
         try:
-            validate_plan(request.plan)
+            verify_plan(request.plan)  # the same verification as every launch path
             world = mesh_spec(request.plan).world_size
         except PlanError as exc:
             return f"invalid plan: {exc}"

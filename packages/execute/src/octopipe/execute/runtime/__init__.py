@@ -1,6 +1,6 @@
 """The runtime: interpret a Plan's per-rank actions on torch.distributed."""
 
-from octopipe.execute.runtime.comm import P2P, Aborted, CommTimeout
+from octopipe.execute.runtime.comm import Aborted, Channels, CommTimeout
 from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime, StepFailure
 from octopipe.execute.runtime.launcher import RunFailed, RunResult, run_local, run_local_many
 from octopipe.execute.runtime.measure import (
@@ -18,10 +18,10 @@ from octopipe.execute.runtime.worker import WorkerConfig, worker_main
 
 __all__ = [
     "LOCAL_GLOO_LINK",
-    "P2P",
     "Aborted",
     "ActionRecord",
     "BuiltModel",
+    "Channels",
     "CommTimeout",
     "RankRuntime",
     "ReferenceResult",

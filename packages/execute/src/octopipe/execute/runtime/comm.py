@@ -1,28 +1,40 @@
-"""Point-to-point communication for one rank's program.
+"""Point-to-point communication for one rank's program, as the program says: strict order per channel.
 
-Receives are posted at the start of each step, for every RECV action of the
-rank, in the order the *sender* will send them (read from the sender's program
-in the Plan), so each pair of ranks matches its messages in the same order on
-both sides: irregular plans cannot deadlock on message order, under gloo (tags)
-or NCCL (order). Sends are asynchronous and completed at the end of the step.
-Receive buffers are allocated once and reused every step. Every wait has a
-deadline, and a rank checks the run's abort flag before it waits.
+The compiled program (:mod:`octopipe.ir.program`) decides everything: a RECV
+action posts its receive where it stands in the program, the computation that
+consumes the data waits for it, a SEND starts where it stands, and every send
+of a step completes by the end of the step. Each channel (this rank -> a peer,
+or a peer -> this rank) completes its operations strictly in the order they
+were issued, as NCCL completes the operations of one communicator on its
+stream: a channel's next operation starts only when the previous one has
+completed. One thread per channel does this, so issuing never blocks the
+program, exactly as the simulator models it; the program compiler has checked
+that every channel's receives are posted in its send order, so the strict
+order cannot deadlock. Messages carry their transfer id as the tag (the same
+on both ends: both compile the same plan), so a mismatch would hang rather
+than deliver the wrong tensor — and every wait has a deadline.
+
+Receive buffers are allocated on first use and reused every step.
 """
 
 from __future__ import annotations
 
 import datetime
+import queue
+import threading
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from octopipe.ir import Action, ActionKind
+from octopipe.ir.program import Program
 
-__all__ = ["P2P", "Aborted", "CommTimeout", "message_key"]
+__all__ = ["Aborted", "Channels", "CommTimeout"]
 
-_SEND_OF = {ActionKind.RECV_F: ActionKind.SEND_F, ActionKind.RECV_B: ActionKind.SEND_B}
+#: how often a waiting rank looks at the run's abort flag
+_POLL_S = 0.2
 
 
 class Aborted(RuntimeError):
@@ -33,123 +45,136 @@ class CommTimeout(TimeoutError):
     """A message did not arrive (or leave) in time."""
 
 
-def message_key(action: Action) -> tuple[str, int, int]:
-    """(direction, stage of the *sender*, micro-batch): the same on both ends of a message."""
-    assert action.microbatch is not None
-    if action.kind is ActionKind.SEND_F:
-        return ("F", action.stage, action.microbatch)
-    if action.kind is ActionKind.RECV_F:
-        return ("F", action.stage - 1, action.microbatch)
-    if action.kind is ActionKind.SEND_B:
-        return ("B", action.stage, action.microbatch)
-    if action.kind is ActionKind.RECV_B:
-        return ("B", action.stage + 1, action.microbatch)
-    raise ValueError(f"{action} is not a point-to-point action")
-
-
-@dataclass
-class _Pending:
-    work: dist.Work
+@dataclass(eq=False)
+class _Op:
+    transfer: int
     tensor: torch.Tensor
-    peer: int
+    send: bool
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str = ""
 
 
-class P2P:
-    """Posts, sends and waits for one rank; ``shape_of(key)`` gives each message's buffer shape and dtype.
+class _Channel:
+    """One direction between this rank and a peer: a thread that runs its operations one after the other."""
 
-    ``rank`` and the ranks in ``programs`` and ``stage_rank`` are pipeline
-    ranks; with a pp x dp mesh, ``peers`` maps each pipeline rank to the global
-    rank of this replica's copy of it, so messages go between matching replicas.
+    def __init__(self, name: str, issue: Callable[[_Op], dist.Work], timeout_s: float, log: list[int]) -> None:
+        self.ops: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
+        self.issue, self.timeout_s, self.log = issue, timeout_s, log
+        self.broken = ""
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (op := self.ops.get()) is not None:
+            if not self.broken:
+                try:
+                    self.log.append(op.transfer)
+                    work = self.issue(op)
+                    work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+                except RuntimeError as exc:
+                    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    self.broken = "timed out" if "imed out" in text else text
+            op.error = self.broken
+            op.done.set()
+
+    def close(self) -> None:
+        self.ops.put(None)
+
+
+class Channels:
+    """The point-to-point operations of one rank's program (``rank`` is its pipeline rank).
+
+    ``buffer_spec(transfer)`` gives a receive buffer's shape and dtype. With a
+    pp x dp mesh, ``peers`` maps each pipeline rank to the global rank of this
+    replica's copy of it, so messages go between matching replicas.
     """
 
     def __init__(
         self,
         *,
+        program: Program,
         rank: int,
-        programs: dict[int, list[Action]],
-        stage_rank: dict[int, int],
-        num_microbatches: int,
-        buffer_spec: Callable[[tuple[str, int, int]], tuple[torch.Size, torch.dtype]],
+        buffer_spec: Callable[[int], tuple[torch.Size, torch.dtype]],
         timeout_s: float,
         aborted: Callable[[], str | None],
         group: dist.ProcessGroup | None = None,
         peers: Mapping[int, int] | None = None,
     ) -> None:
-        self.rank = rank
-        #: pipeline rank -> the process it is for this replica (a mesh's global rank); identity without a mesh
+        self.program, self.rank = program, rank
         self.peers = dict(peers) if peers is not None else None
-        self.timeout_s = timeout_s
-        self.aborted = aborted
-        self.group = group
-        self.num_microbatches = num_microbatches
-        self.num_stages = max(stage_rank) + 1
-        # receive order: for each peer, the order that peer sends to us
-        mine = {message_key(a): a for a in programs[rank] if a.kind in _SEND_OF}
-        self.recv_order: list[tuple[tuple[str, int, int], int]] = []
-        for peer in sorted(programs):
-            for action in programs[peer]:
-                if action.kind in (ActionKind.SEND_F, ActionKind.SEND_B) and message_key(action) in mine:
-                    self.recv_order.append((message_key(action), peer))
-        missing = set(mine) - {key for key, _ in self.recv_order}
-        if missing:
-            raise ValueError(f"rank {rank} receives {sorted(missing)} that no rank sends")
-        self.buffers = {}
-        for key, _ in self.recv_order:
-            shape, dtype = buffer_spec(key)
-            self.buffers[key] = torch.empty(shape, dtype=dtype)
-        self.receives: dict[tuple[str, int, int], _Pending] = {}
-        self.sends: list[_Pending] = []
+        self.buffer_spec, self.timeout_s, self.aborted, self.group = buffer_spec, timeout_s, aborted, group
+        self.buffers: dict[int, torch.Tensor] = {}
+        #: channel ("send", peer) or ("recv", peer) -> the transfers in the order they started, over all steps
+        self.started: dict[tuple[str, int], list[int]] = {}
+        self._channels: dict[tuple[str, int], _Channel] = {}
+        self._pending: dict[int, _Op] = {}
 
     def _process(self, pipeline_rank: int) -> int:
         return pipeline_rank if self.peers is None else self.peers[pipeline_rank]
 
-    def _tag(self, key: tuple[str, int, int]) -> int:
-        direction, stage, microbatch = key
-        return ((stage * self.num_microbatches) + microbatch) * 2 + (0 if direction == "F" else 1)
+    def _channel(self, direction: str, peer: int) -> _Channel:
+        key = (direction, peer)
+        channel = self._channels.get(key)
+        if channel is None:
+            log = self.started.setdefault(key, [])
+            process = self._process(peer)
 
-    def post_receives(self) -> None:
-        """Post every receive of the step now, in each sender's order."""
-        for key, peer in self.recv_order:
-            buffer = self.buffers[key]
-            work = dist.irecv(buffer, src=self._process(peer), group=self.group, tag=self._tag(key))
-            assert work is not None
-            self.receives[key] = _Pending(work, buffer, peer)
+            def issue(op: _Op) -> dist.Work:
+                call = dist.isend if op.send else dist.irecv
+                work = call(op.tensor, process, group=self.group, tag=op.transfer)
+                assert work is not None
+                return work
 
-    def send(self, action: Action, tensor: torch.Tensor, peer: int) -> None:
-        """Start sending ``tensor`` for a SEND action; completed by ``finish_sends``."""
-        tensor = tensor.contiguous()
-        work = dist.isend(tensor, dst=self._process(peer), group=self.group, tag=self._tag(message_key(action)))
-        assert work is not None
-        self.sends.append(_Pending(work, tensor, peer))
+            name = f"octopipe-{direction}-{'to' if direction == 'send' else 'from'}-{peer}"
+            channel = self._channels[key] = _Channel(name, issue, self.timeout_s, log)
+        return channel
 
-    def receive(self, action: Action, what: str) -> torch.Tensor:
-        """Wait for the message a RECV action names; return its (reused) buffer."""
-        key = message_key(action)
-        pending = self.receives.pop(key, None)
-        if pending is None:
-            raise RuntimeError(f"{what}: no receive was posted for {action} (is it received twice?)")
-        self._wait(pending, f"{what}: waiting for rank {pending.peer}")
-        return pending.tensor
+    def post_recv(self, transfer: int) -> torch.Tensor:
+        """Post the receive of ``transfer`` (a RECV action); return its buffer, valid after ``wait``."""
+        buffer = self.buffers.get(transfer)
+        if buffer is None:
+            shape, dtype = self.buffer_spec(transfer)
+            buffer = self.buffers[transfer] = torch.empty(shape, dtype=dtype)
+        peer = self.program.sender[transfer][0]
+        op = _Op(transfer, buffer, send=False)
+        self._pending[transfer] = op
+        self._channel("recv", peer).ops.put(op)
+        return buffer
 
-    def finish_sends(self, what: str) -> None:
-        for pending in self.sends:
-            self._wait(pending, f"{what}: sending to rank {pending.peer}")
-        self.sends.clear()
-        if self.receives:
-            unused = sorted(self.receives)
-            raise RuntimeError(f"{what}: messages {unused} were received but no RECV action consumed them")
+    def send(self, transfer: int, tensor: torch.Tensor) -> None:
+        """Start sending ``tensor`` for ``transfer`` (a SEND action); it completes by ``finish``."""
+        peer = self.program.receiver[transfer][0]
+        op = _Op(transfer, tensor.contiguous(), send=True)
+        self._pending[-1 - transfer] = op  # sends and receives of one transfer never meet on one rank
+        self._channel("send", peer).ops.put(op)
 
-    def _wait(self, pending: _Pending, what: str) -> None:
-        # gloo reports completion only through wait(), and a wait that times out breaks the
-        # pair, so there is one wait with the whole deadline. A failed peer closes its
-        # sockets, which ends this wait at once; the launcher stops ranks stuck elsewhere.
-        message = self.aborted()
-        if message is not None:
-            raise Aborted(f"{what}: stopped because {message}")
-        try:
-            pending.work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as exc:
-            text = str(exc)
-            if "Timed out" in text or "timed out" in text:
-                raise CommTimeout(f"{what}: nothing arrived within {self.timeout_s:.0f} s") from None
-            raise RuntimeError(f"{what}: {text.splitlines()[0]}") from None
+    def wait(self, transfer: int, what: str) -> None:
+        """Wait until the receive of ``transfer`` has completed (before the computation that consumes it)."""
+        op = self._pending.pop(transfer, None)
+        assert op is not None, f"transfer {transfer} waited for without a posted receive"
+        self._wait(op, f"{what}: waiting for rank {self.program.sender[transfer][0]}")
+
+    def finish(self, what: str) -> None:
+        """Wait for every operation still in flight (the step's sends); none may be left afterwards."""
+        for key in sorted(self._pending):
+            op = self._pending.pop(key)
+            peer = self.program.receiver[op.transfer][0] if op.send else self.program.sender[op.transfer][0]
+            self._wait(op, f"{what}: {'sending to' if op.send else 'receiving from'} rank {peer}")
+
+    def close(self) -> None:
+        """Stop the channel threads (after the last step)."""
+        for channel in self._channels.values():
+            channel.close()
+
+    def _wait(self, op: _Op, what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not op.done.wait(_POLL_S):
+            message = self.aborted()
+            if message is not None:
+                raise Aborted(f"{what}: stopped because {message}")
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"{what}: nothing arrived within {self.timeout_s:.0f} s")
+        if op.error:
+            if op.error == "timed out":
+                raise CommTimeout(f"{what}: nothing arrived within {self.timeout_s:.0f} s")
+            raise RuntimeError(f"{what}: {op.error}")

@@ -1,21 +1,25 @@
-"""The interpreter: runs one rank's actions for one training step.
+"""The interpreter: runs one rank's part of a compiled program for one training step.
 
-It owns the rank's stages (captured and split), their gradient accumulators
-and the per-step state (stage inputs, contexts between F, B and W, tensors to
-send). Neighbouring stages on the same rank hand tensors over directly. The
-last stage's loss is scaled by 1/m through the output gradient it starts the
-backward with, so accumulated gradients are those of the mean loss.
+It runs the :class:`~octopipe.ir.program.Program` that the simulator timed and
+the verifier checked, action by action, and keeps only tensors: the rank's
+stages (captured and split), their gradient accumulators and the per-step
+state (stage inputs, contexts between F, B and W, tensors to send). What an
+action means is the program's: a RECV posts its receive, the computation that
+consumes the data waits for it (``Program.waits``), a SEND starts its send,
+every send completes by the end of the step (:class:`~octopipe.execute.runtime.comm.Channels`,
+strict order per channel). Neighbouring stages on the same rank hand tensors
+over directly. The last stage's loss is scaled by 1/m through the output
+gradient it starts the backward with, so accumulated gradients are those of
+the mean loss.
 
 A stage given as a :class:`ShardedStage` (its parameters sharded over a
 data-parallel group, see :mod:`octopipe.execute.runtime.mesh`) has no
 parameters to compute with until its UNSHARD action gathers them, every step;
 RESHARD drops the gathered parameters; REDUCE_GRAD turns the full gradients
 accumulated so far into this rank's shard gradients, once per step, after the
-stage's last backward. A plan that computes on a sharded stage before its
-UNSHARD, accumulates after its REDUCE_GRAD, or never reduces is refused with an
-error naming the action to add
-(:func:`octopipe.execute.runtime.fsdp_actions.check_sharded_programs` finds the
-same mistakes before any process starts).
+stage's last backward. That every computation has its input, its UNSHARD and
+its place before REDUCE_GRAD is guaranteed by the program compiler; here those
+are assertions, not checks.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from typing import Protocol
 import torch
 
 from octopipe.capture import StageGraphs
-from octopipe.execute.runtime.comm import P2P
+from octopipe.execute.runtime.comm import Channels
 from octopipe.ir import Action, ActionKind
+from octopipe.ir.program import OVERLAP, Program, stream_of
 from octopipe.transform import ForwardContext, OverlapStage, StageExecutable, WeightContext, storage_bytes
 
 __all__ = ["ActionRecord", "RankRuntime", "ShardedStage", "StepFailure", "rss_bytes"]
@@ -69,15 +74,6 @@ def rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def _stream(kind: ActionKind) -> str:
-    """The stream a record names: compute, collective (UNSHARD, RESHARD, REDUCE_GRAD), send or recv."""
-    if kind.is_compute:
-        return "compute"
-    if kind.is_collective:
-        return "collective"
-    return "send" if kind in (ActionKind.SEND_F, ActionKind.SEND_B) else "recv"
 
 
 @dataclass(frozen=True)
@@ -133,21 +129,23 @@ class RankRuntime:
         self,
         *,
         rank: int,
-        program: list[Action],
+        program: Program,
         stages: Mapping[int, StageExecutable | ShardedStage],
-        stage_rank: dict[int, int],
-        num_microbatches: int,
-        p2p: P2P,
+        channels: Channels,
     ) -> None:
         self.rank = rank
+        #: the compiled program (all ranks); this rank runs ``actions``
         self.program = program
+        self.actions: list[Action] = program.actions(rank)
+        stage_rank = dict(enumerate(program.placement))
+        num_microbatches = program.num_microbatches
         #: stages ready to compute: plain ones always, sharded ones between UNSHARD and RESHARD
         self.stages: dict[int, StageExecutable] = {s: e for s, e in stages.items() if isinstance(e, StageExecutable)}
         self.sharded: dict[int, ShardedStage] = {s: e for s, e in stages.items() if not isinstance(e, StageExecutable)}
         self.stage_rank = stage_rank
         self.num_stages = max(stage_rank) + 1
         self.m = num_microbatches
-        self.p2p = p2p
+        self.channels = channels
         self.num_params = {s: e.graphs.num_params for s, e in stages.items()}
         self.grads: dict[int, list[torch.Tensor | None]] = {s: [None] * n for s, n in self.num_params.items()}
         self.loss_scale = torch.ones(()) / num_microbatches
@@ -155,7 +153,6 @@ class RankRuntime:
         self._restatic()
         self._overlaps: dict[tuple[int, int, ActionKind], tuple[StageExecutable, StageExecutable, OverlapStage]] = {}
         self._reduced: set[int] = set()
-        self._resharded: set[int] = set()
 
     def _restatic(self) -> None:
         """Parameters, shards and buffers: excluded from ``held_bytes`` (updated in place; step states share it)."""
@@ -169,22 +166,11 @@ class RankRuntime:
 
     def _exe(self, stage: int) -> StageExecutable:
         exe = self.stages.get(stage)
-        if exe is not None:
-            return exe
-        if stage in self.sharded:
-            why = "RESHARD dropped its gathered parameters" if stage in self._resharded else "no UNSHARD ran this step"
-            raise RuntimeError(
-                f"stage {stage} is sharded over its data-parallel group and {why}: put '{stage}UNSHARD' "
-                f"before this action in rank {self.rank}'s program"
-            )
-        raise RuntimeError(f"stage {stage} is not on rank {self.rank}")
+        assert exe is not None, f"stage {stage} computes without its parameters (compile_plan requires its UNSHARD)"
+        return exe
 
     def _accumulate(self, stage: int, grads: list[torch.Tensor | None]) -> None:
-        if stage in self._reduced:
-            raise RuntimeError(
-                f"a backward of stage {stage} runs after its REDUCE_GRAD: move '{stage}REDUCE_GRAD' after the "
-                "stage's last W (or B) in the program"
-            )
+        assert stage not in self._reduced, f"a backward of stage {stage} after its REDUCE_GRAD"
         acc = self.grads[stage]
         for index, grad in enumerate(grads):
             if grad is None:
@@ -203,31 +189,25 @@ class RankRuntime:
         for stage in self.sharded:  # last step's gathered parameters are stale after the optimizer step
             self._drop_gathered(stage)
         self._reduced.clear()
-        self._resharded.clear()
         self._restatic()
-        self.p2p.post_receives()
-        for index, action in enumerate(self.program):
+        codes = self.program.codes[self.rank]
+        for index, action in enumerate(self.actions):
             start = time.perf_counter_ns()
             try:
-                self._run(action, state, microbatches, step)
+                if codes[index] <= OVERLAP:  # a computation first waits for the transfers it consumes
+                    for transfer in self.program.transfers_waited(self.rank, index):
+                        self.channels.wait(transfer, f"rank {self.rank}, step {step} ({action})")
+                self._run(index, action, state, microbatches)
                 if on_action is not None:
                     end = time.perf_counter_ns()
-                    stream = _stream(action.kind)
+                    stream = stream_of(codes[index])
                     on_action(ActionRecord(str(action), stream, start, end, state.held_bytes(), rss_bytes()))
             except Exception as exc:
                 raise StepFailure(f"rank {self.rank}, step {step}, action {index} ({action}): {exc}") from exc
-        self.p2p.finish_sends(f"rank {self.rank}, step {step}, end of step")
-        leftovers = [k for k, c in state.weight_ctx.items() if c.tensors is not None]
-        if leftovers:
-            raise StepFailure(
-                f"rank {self.rank}, step {step}: W never ran for (stage, micro-batch) {sorted(leftovers)}"
-            )
-        unreduced = [s for s in self.sharded if s not in self._reduced]
-        if unreduced:
-            raise StepFailure(
-                f"rank {self.rank}, step {step}: sharded stages {unreduced} never ran REDUCE_GRAD; put "
-                f"'<stage>REDUCE_GRAD' after each one's last W (or B) in rank {self.rank}'s program"
-            )
+        self.channels.finish(f"rank {self.rank}, step {step}, end of step")
+        # the program compiler guarantees both: every I has its W, every sharded stage its REDUCE_GRAD
+        assert all(c.tensors is None for c in state.weight_ctx.values()), "a W never ran"
+        assert all(s in self._reduced for s in self.sharded), "a sharded stage never ran REDUCE_GRAD"
         if state.losses:
             return torch.stack(state.losses).sum() * self.loss_scale
         return None
@@ -239,22 +219,14 @@ class RankRuntime:
             x = microbatches[mb][0]
         elif (stage, mb) in state.inputs:
             x = state.inputs.pop((stage, mb))
-        elif self.stage_rank[stage - 1] == self.rank and (stage - 1, mb) in state.outputs:
+        else:  # the previous stage on this rank produced it (compile_plan checked that it ran before)
             x = state.outputs.pop((stage - 1, mb))
-        else:
-            raise RuntimeError(
-                f"the input of stage {stage}, micro-batch {mb} is not here: no RECV_F or same-rank forward produced it"
-            )
         return [x, microbatches[mb][1]] if stage == self.num_stages - 1 else [x]
 
     def _output_grad(self, state: _StepState, stage: int, mb: int) -> torch.Tensor:
         if (stage, mb) in state.output_grads:
             return state.output_grads.pop((stage, mb))
-        if self.stage_rank.get(stage + 1) == self.rank and (stage + 1, mb) in state.input_grads:
-            return state.input_grads.pop((stage + 1, mb))
-        raise RuntimeError(
-            f"the output gradient of stage {stage}, micro-batch {mb} is not here: no RECV_B or same-rank backward produced it"
-        )
+        return state.input_grads.pop((stage + 1, mb))  # from the next stage on this rank (compile_plan checked it)
 
     def _overlap(
         self, action: Action, state: _StepState, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -294,7 +266,7 @@ class RankRuntime:
             state.outputs[(s, mb)] = out
 
     def _run(
-        self, action: Action, state: _StepState, microbatches: list[tuple[torch.Tensor, torch.Tensor]], step: int
+        self, index: int, action: Action, state: _StepState, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
         kind, s, mb = action.kind, action.stage, action.microbatch
         if kind is ActionKind.OVERLAP_F_B:
@@ -322,18 +294,16 @@ class RankRuntime:
                 assert input_grads[0] is not None
                 state.input_grads[key] = input_grads[0]
         elif kind is ActionKind.BACKWARD_WEIGHT:
-            wctx = state.weight_ctx.get(key)
-            if wctx is None:
-                raise RuntimeError(f"W of stage {s}, micro-batch {mb} runs before its B (I)")
+            wctx = state.weight_ctx[key]  # its I ran before (compile_plan checked it)
             self._accumulate(s, self._exe(s).backward_weight(wctx))
         elif kind is ActionKind.SEND_F:
-            self.p2p.send(action, state.outputs.pop(key), self.stage_rank[s + 1])
+            self.channels.send(self.program.transfer_of[self.rank][index], state.outputs.pop(key))
         elif kind is ActionKind.SEND_B:
-            self.p2p.send(action, state.input_grads.pop(key), self.stage_rank[s - 1])
-        elif kind is ActionKind.RECV_F:
-            state.inputs[key] = self.p2p.receive(action, f"rank {self.rank}, step {step} ({action})")
+            self.channels.send(self.program.transfer_of[self.rank][index], state.input_grads.pop(key))
+        elif kind is ActionKind.RECV_F:  # posted now; the forward that consumes it waits for it
+            state.inputs[key] = self.channels.post_recv(self.program.transfer_of[self.rank][index])
         elif kind is ActionKind.RECV_B:
-            state.output_grads[key] = self.p2p.receive(action, f"rank {self.rank}, step {step} ({action})")
+            state.output_grads[key] = self.channels.post_recv(self.program.transfer_of[self.rank][index])
 
     def _collective(self, kind: ActionKind, stage: int) -> None:
         """UNSHARD, RESHARD, REDUCE_GRAD; no-ops on a stage that is not sharded (dp = 1)."""
@@ -341,18 +311,12 @@ class RankRuntime:
         if sharded is None:
             return
         if kind is ActionKind.UNSHARD:
-            if stage in self.stages:
-                raise RuntimeError(f"stage {stage} is unsharded already: remove the second UNSHARD or RESHARD first")
+            assert stage not in self.stages, f"stage {stage} unsharded twice"
             self.stages[stage] = sharded.unshard()
-            self._resharded.discard(stage)
         elif kind is ActionKind.RESHARD:
             self._drop_gathered(stage)
-            self._resharded.add(stage)
         else:
-            if stage in self._reduced:
-                raise RuntimeError(
-                    f"stage {stage} ran REDUCE_GRAD twice in one step: keep one, after its last W (or B)"
-                )
+            assert stage not in self._reduced, f"stage {stage} reduced twice"
             self.grads[stage] = sharded.reduce_grad(self.grads[stage])
             self._reduced.add(stage)
         self._restatic()

@@ -5,9 +5,11 @@ fails, the store's abort flag stops the others at their next wait; any rank
 still alive after a grace period is killed. The error names the first failing
 rank, its step and its action.
 
-A plan with a mesh (``mesh.dp`` replicas of every pipeline rank) starts
-pp x dp processes; its sharded stages' programs are checked for UNSHARD and
-REDUCE_GRAD first (:func:`~octopipe.execute.runtime.fsdp_actions.check_sharded_programs`).
+Every plan is verified before any process starts (``octopipe.simulate.verify_plan``:
+the program compiler's checks and the deadlock check, the same as the
+coordinator, the node daemon and ``octopipe run --torchrun`` run), so a plan the
+verifier rejects never runs. A plan with a mesh (``mesh.dp`` replicas of every
+pipeline rank) starts pp x dp processes.
 The reported loss is the mean of the replicas' losses; gradients and weights
 are whole tensors (gathered from the shards by the ranks); timelines are keyed
 by global rank.
@@ -28,10 +30,10 @@ import torch
 import torch.distributed as dist
 
 from octopipe.execute.linkprobe import free_port
-from octopipe.execute.runtime.fsdp_actions import check_sharded_programs
 from octopipe.execute.runtime.worker import ABORT_KEY, WorkerConfig, worker_main
-from octopipe.ir import MeshSpec, mesh_spec, validate_plan
+from octopipe.ir import MeshSpec, mesh_spec
 from octopipe.plan.v1 import plan_pb2
+from octopipe.simulate import verify_plan
 
 __all__ = ["RunFailed", "RunResult", "run_local", "run_local_many"]
 
@@ -49,6 +51,8 @@ class RunResult:
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     #: rank -> per step {"start_ns", "end_ns", "records": [ActionRecord fields]}
     timelines: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    #: rank -> channel ("send <peer>" or "recv <peer>") -> its transfers in the order they started, every step
+    channels: dict[int, dict[str, list[int]]] = field(default_factory=dict)
     wall_s: float = 0.0
 
 
@@ -85,10 +89,8 @@ def run_local_many(
         raise ValueError("give at least one plan")
     meshes: list[MeshSpec] = []
     for plan in plans:
-        validate_plan(plan)
+        verify_plan(plan)  # raises a VerificationError (a PlanError) naming rank, step and action
         meshes.append(mesh_spec(plan))
-        if meshes[-1].dp > 1:
-            check_sharded_programs(plan)
     world = meshes[0].world_size
     if any(mesh.world_size != world for mesh in meshes):
         raise ValueError(
@@ -151,6 +153,7 @@ def run_local_many(
             result.grads.update(entry["grads"])
             result.params.update(entry["params"])
             result.timelines[int(entry["rank"])] = entry["timelines"]
+            result.channels[int(entry["rank"])] = entry["channels"]
         merged.append(result)
     log.info("run_finished", wall_s=round(wall, 2), losses=[[round(x, 5) for x in r.losses] for r in merged])
     return merged

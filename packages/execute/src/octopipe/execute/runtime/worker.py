@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,11 +26,11 @@ import torch.distributed as dist
 
 from octopipe.capture import StageGraphs, StageModule, capture_stage, split_model
 from octopipe.execute.runtime.checkpoint import load_checkpoint, save_checkpoint
-from octopipe.execute.runtime.comm import P2P
+from octopipe.execute.runtime.comm import Channels
 from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime
 from octopipe.execute.runtime.mesh import MeshRank
 from octopipe.execute.runtime.models import build_model
-from octopipe.ir import rank_actions, stage_ranks
+from octopipe.ir import Program, compile_plan, stage_ranks
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform import BWSplit, StageExecutable, split_backward
 
@@ -137,10 +138,8 @@ def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
             world_size=config.world_size,
             timeout=datetime.timedelta(seconds=config.timeout_s),
         )
-        try:
-            result = _run(config, store, events)
-        finally:
-            dist.destroy_process_group()
+        result = _run(config, store, events)
+        dist.destroy_process_group()  # not after a failure: a channel thread may still wait inside gloo
         torch.save(result, out / f"rank{rank}.pt")
     except BaseException as exc:
         message = str(exc) if str(exc) else type(exc).__name__
@@ -150,7 +149,10 @@ def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
                 store.set(ABORT_KEY, f"rank {rank} failed: {message.splitlines()[0]}")
         except Exception:  # the store may be gone; the launcher still sees the exit code
             pass
-        raise SystemExit(1) from None
+        # leave at once: interpreter finalization would wait on (or abort over) channel threads still inside gloo
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def publish_plan(store: dist.Store, switch: int, plan: plan_pb2.Plan) -> None:
@@ -243,29 +245,28 @@ def _run_plan(
         else {s: cache.executable(stages[s], inputs[s]) for s in mine}
     )
 
-    def buffer_spec(key: tuple[str, int, int]) -> tuple[torch.Size, torch.dtype]:
-        direction, sender, _ = key
-        tensor = activations[sender + 1] if direction == "F" else activations[sender]
-        return tensor.shape, tensor.dtype
+    def buffer_spec(program: Program) -> Callable[[int], tuple[torch.Size, torch.dtype]]:
+        def spec(transfer: int) -> tuple[torch.Size, torch.dtype]:
+            # a transfer moves the output of its boundary stage (RECV_F) or the gradient of that output (RECV_B)
+            tensor = activations[program.boundary_stage[transfer] + 1]
+            return tensor.shape, tensor.dtype
+
+        return spec
 
     def aborted() -> str | None:
         return store.get(ABORT_KEY).decode() if store.check([ABORT_KEY]) else None
 
     def make_runtime(current: plan_pb2.Plan) -> RankRuntime:
-        programs = rank_actions(current)
-        p2p = P2P(
+        program = compile_plan(current)  # the one program the simulator timed and the verifier checked
+        channels = Channels(
+            program=program,
             rank=prank,
             peers=mesh.peers,
-            programs=programs,
-            stage_rank=placement,
-            num_microbatches=m,
-            buffer_spec=buffer_spec,
+            buffer_spec=buffer_spec(program),
             timeout_s=config.timeout_s,
             aborted=aborted,
         )
-        return RankRuntime(
-            rank=prank, program=programs[prank], stages=executables, stage_rank=placement, num_microbatches=m, p2p=p2p
-        )
+        return RankRuntime(rank=prank, program=program, stages=executables, channels=channels)
 
     runtime = make_runtime(plan)
     switches = 0
@@ -287,6 +288,7 @@ def _run_plan(
             switched = _next_plan(store, rank, switches, plan)
             if switched is not None:  # a newer plan (same layout) from the closed loop, from this step on
                 plan, switches = switched, switches + 1
+                runtime.channels.close()
                 runtime = make_runtime(plan)
         dist.barrier()  # ranks start each step together, so measured timelines line up
         step_start = time.perf_counter_ns()
@@ -323,6 +325,7 @@ def _run_plan(
                     "plan_switches": switches,
                 }
             )
+    runtime.channels.close()
     return {
         "plan": plan_index,
         "rank": rank,
@@ -330,4 +333,6 @@ def _run_plan(
         "grads": mesh.full(first_grads),  # whole tensors from the shards (a collective when dp > 1)
         "params": mesh.full({n: p.detach() for n, p in params.items()}) if config.keep_params else {},
         "timelines": timelines,
+        # each channel's transfers in the order they started, all steps of the last program
+        "channels": {f"{d} {peer}": list(order) for (d, peer), order in runtime.channels.started.items()},
     }
