@@ -60,8 +60,7 @@ from octopipe.execute.runtime import (
     timelines_to_proto,
     workload_reference,
 )
-from octopipe.ir import CollectivePlacement, with_collectives
-from octopipe.ir import ActionKind, parse_action
+from octopipe.ir import ActionKind, CollectivePlacement, parse_action, with_collectives
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import CostModel, GroupLinks, durations_from_timelines, simulate
