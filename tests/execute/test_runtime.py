@@ -17,7 +17,7 @@ from octopipe.execute.runtime import (
     run_local_many,
     workload_reference,
 )
-from octopipe.ir import Action, ActionKind, StageSpec, add_p2p_actions, build_plan, rank_actions
+from octopipe.ir import Action, ActionKind, Program, StageSpec, add_p2p_actions, build_plan, compile_plan, rank_actions
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import uniform_profile
 from octopipe.tune import (
@@ -52,6 +52,18 @@ def assert_bitwise(expected: dict[str, torch.Tensor], actual: dict[str, torch.Te
     assert sorted(actual) == sorted(expected)
     for name, value in expected.items():
         assert torch.equal(actual[name], value), f"{name}: max |diff| {(actual[name] - value).abs().max().item()}"
+
+
+def channel_order(program: Program, rank: int) -> dict[str, list[int]]:
+    """Each channel of ``rank`` -> its transfers in program order (what the runtime must start, in order)."""
+    out: dict[str, list[int]] = {}
+    for step, transfer in enumerate(program.transfer_of[rank]):
+        if transfer < 0:
+            continue
+        sending = program.sender[transfer] == (rank, step)
+        peer = program.receiver[transfer][0] if sending else program.sender[transfer][0]
+        out.setdefault(f"{'send' if sending else 'recv'} {peer}", []).append(transfer)
+    return out
 
 
 def overlapped_1f1b(ranks: int, m: int, *, layer_names: list[list[str]]) -> plan_pb2.Plan:
@@ -132,9 +144,13 @@ def test_every_schedule_equals_the_reference_bitwise(workload: str, ranks: int) 
         assert run.losses == pytest.approx(ref.losses, rel=1e-6), plan.name
         assert_bitwise(ref.grads, run.grads)
         assert_bitwise(ref.params, run.params)
+        program = compile_plan(plan)
         for rank, steps in run.timelines.items():
             assert len(steps) == 3
             assert [r["action"] for r in steps[0]["records"]] == [str(a) for a in rank_actions(plan)[rank]]
+            # strict order (as NCCL): every channel started its transfers in the program's order, every step
+            for channel, order in channel_order(program, rank).items():
+                assert run.channels[rank][channel] == order * 3, (plan.name, rank, channel)
 
 
 def test_a_failing_rank_stops_every_rank_with_its_error() -> None:
