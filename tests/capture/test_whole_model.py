@@ -6,6 +6,8 @@ models ``model(input_ids=..., labels=...)``) and ``loss.backward()``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -179,3 +181,53 @@ def test_partition_and_layer_errors_say_what_to_change() -> None:
         trace_model(model, {"tokens": tokens, "targets": tokens}, layers=["embed", "nope"])
     with pytest.raises(ValueError, match=r"targets \['labels'\] are not among the inputs"):
         trace_model(model, {"tokens": tokens, "targets": tokens}, targets=["labels"])
+
+
+@pytest.fixture
+def deterministic() -> Iterator[None]:
+    """MoE expert gradients accumulate with index_put: eager itself repeats bitwise only in deterministic mode."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(previous)
+
+
+def moe_model(family: str, **extra: object) -> nn.Module:
+    common: dict[str, object] = {**SMALL, "num_hidden_layers": 3, "num_experts": 4, "num_experts_per_tok": 2}
+    common.update({"output_router_logits": True, "router_aux_loss_coef": 0.1, **extra})
+    if family == "qwen3moe":
+        return transformers.Qwen3MoeForCausalLM(
+            transformers.Qwen3MoeConfig(**common, head_dim=8, moe_intermediate_size=32)
+        )
+    return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**common))
+
+
+@pytest.mark.usefixtures("deterministic")
+@pytest.mark.parametrize("family", ["qwen3moe", "olmoe"])
+def test_moe_auxiliary_loss_reaches_the_last_stage_bitwise(family: str) -> None:
+    """``output_router_logits=True``: every layer's router logits cross to the last stage, into the aux loss."""
+    torch.manual_seed(0)
+    model = moe_model(family, experts_implementation="batched_mm")
+    inputs = {"input_ids": hf_inputs()["input_ids"], "labels": hf_inputs(seq=8)["labels"].roll(1, 1)}
+    loss, grads = model_reference(model, inputs)
+    graph = trace_model(model, inputs)
+    for partition, fused in ((halves(graph.layers), False), (thirds(graph.layers), True)):
+        result = run_graph_split(graph, partition, inputs, fused=fused)
+        assert torch.equal(result.loss, loss)
+        assert_bitwise(grads, result.grads)
+    # three stages: layer 0's router logits enter stage 1, and all three layers' reach the last stage
+    crossing = [len(stage.output_names) for stage in result.stages]
+    assert crossing == [2, 4, 1]
+    model.config.output_router_logits = False  # the aux loss is really in the loss the stages computed
+    plain, _ = model_reference(model, inputs)
+    assert not torch.equal(plain, loss)
+
+
+def test_moe_grouped_mm_refused_with_what_to_change() -> None:
+    """transformers' default grouped_mm experts have no fp32 CPU tracing kernel: refused, told what to set."""
+    torch.manual_seed(0)
+    model = moe_model("qwen3moe")
+    inputs = hf_inputs()
+    graph = trace_model(model, inputs)
+    with pytest.raises(CaptureError, match="experts_implementation='batched_mm'"):
+        run_graph_split(graph, halves(graph.layers), inputs, fused=False)

@@ -94,6 +94,12 @@ class GraphStage(StageModule):
         """The inputs that come from the previous stage (the model's non-target inputs on stage 0)."""
         return self.input_names[: len(self.input_names) - self.num_targets]
 
+    def _lookup(self, name: str) -> torch.Tensor:
+        path, _, leaf = name.rpartition(".")
+        value = getattr(self.get_submodule(path), leaf)
+        assert isinstance(value, torch.Tensor), name
+        return value
+
     def _container(self, name: str) -> nn.Module:
         parent: nn.Module = self
         for part in name.split(".")[:-1]:
@@ -110,9 +116,9 @@ class GraphStage(StageModule):
                 f"stage {self.stage_index} takes {len(self.input_names)} inputs {list(self.input_names)}, "
                 f"got {len(inputs)}"
             )
-        params = [self.get_parameter(n) for n in self.param_order]
-        buffers = [self.get_buffer(n) for n in self.buffer_order]
-        outputs = tuple(self.graph(*params, *buffers, *inputs))
+        # plain attribute lookups: under functional_call (capture) the parameters are plain tensors
+        state = [self._lookup(n) for n in (*self.param_order, *self.buffer_order)]
+        outputs = tuple(self.graph(*state, *inputs))
         return outputs[0] if len(outputs) == 1 else outputs
 
 

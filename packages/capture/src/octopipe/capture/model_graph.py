@@ -275,6 +275,10 @@ def _reads_values(node: fx.Node) -> bool:
     if str(node.target).startswith(_VALUE_READS):
         return True
     tags = getattr(node.target, "tags", ())
+    if str(node.target).startswith(("aten.index.", "aten.index_put")):  # shape depends on data only for masks
+        indices = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) else ()
+        dtypes = [getattr(i.meta.get("val"), "dtype", None) for i in indices if isinstance(i, fx.Node)]
+        return any(d in (torch.bool, torch.uint8) for d in dtypes)
     return torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
 
 

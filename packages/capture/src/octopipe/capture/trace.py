@@ -206,6 +206,11 @@ def _module_stack(module: nn.Module) -> Iterator[list[str]]:
 
 _HINTS = (
     (
+        ("grouped_mm", "Expected inputs of BF16"),
+        "torch._grouped_mm (MoE experts) cannot be traced in this dtype on this device; for a HuggingFace MoE "
+        "model build the config with experts_implementation='batched_mm'",
+    ),
+    (
         ("_local_scalar_dense", "data-dependent", "item()"),
         "the code reads tensor values into Python (.item(), "
         "data-dependent branches or masks); make it depend on shapes only, or let route='auto' export it first",
