@@ -7,6 +7,7 @@ models ``model(input_ids=..., labels=...)``) and ``loss.backward()``.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -192,7 +193,7 @@ def deterministic() -> Iterator[None]:
     torch.use_deterministic_algorithms(previous)
 
 
-def moe_model(family: str, **extra: object) -> nn.Module:
+def moe_model(family: str, **extra: object) -> Any:
     common: dict[str, object] = {**SMALL, "num_hidden_layers": 3, "num_experts": 4, "num_experts_per_tok": 2}
     common.update({"output_router_logits": True, "router_aux_loss_coef": 0.1, **extra})
     if family == "qwen3moe":
