@@ -26,6 +26,7 @@ from octopipe.ir import (
     validate_plan,
 )
 from octopipe.plan.v1 import plan_pb2
+from octopipe.simulate import verify_plan
 from tests.simulate.strategies import plans
 
 
@@ -90,7 +91,15 @@ def test_torch_csv_round_trip_keeps_actions_and_placement() -> None:
     assert rank_actions(again) == rank_actions(plan)
     assert stage_ranks(again) == stage_ranks(plan)
     compute = plan_from_torch_csv(plan_to_torch_csv(plan, format="compute_only"))
-    assert [str(a) for a in rank_actions(compute)[1]] == ["1F0", "(1F1;1B0)OVERLAP_F_B", "1B1"]
+    # a compute-only file gets its communication on import, as torch's runtime lowers one when it loads it
+    assert [str(a) for a in rank_actions(compute)[1] if a.kind.is_compute] == ["1F0", "(1F1;1B0)OVERLAP_F_B", "1B1"]
+    assert [str(a) for a in rank_actions(compute)[1] if a.kind.is_p2p] == [
+        "1RECV_F0",
+        "1RECV_F1",
+        "1SEND_B0",
+        "1SEND_B1",
+    ]
+    verify_plan(compute)
 
 
 def test_reads_torch_csv_with_idle_steps(tmp_path: Path) -> None:
@@ -105,7 +114,7 @@ def test_reads_torch_csv_with_idle_steps(tmp_path: Path) -> None:
         for rank in order:
             writer.writerow(order[rank])
     plan = load_plan(path)
-    assert [str(a) for a in rank_actions(plan)[0]] == ["0F0", "0F1", "0B0"]
+    assert [str(a) for a in rank_actions(plan)[0] if a.kind.is_compute] == ["0F0", "0F1", "0B0"]
     assert plan.num_microbatches == 2
     assert plan.name == "torch"
     for cell in plan_to_torch_csv(plan).replace("\n", ",").split(","):

@@ -164,5 +164,3 @@ def test_data_parallel_stages_must_be_unsharded() -> None:
     with pytest.raises(MissingInputError, match="put 0UNSHARD before it"):
         verify_plan(fsdp_plan(rank0, RANK1))
     verify_plan(fsdp_plan(rank0, RANK1, dp=1))  # without data parallelism UNSHARD is optional
-
-

@@ -93,15 +93,27 @@ def test_more_latency_never_shortens_a_step(data: st.DataObject) -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 5), st.integers(1, 10), st.data())
 def test_more_microbatches_never_lower_1f1b_throughput(p: int, m: int, data: st.DataObject) -> None:
-    """Integer costs and latencies keep every time exact, so throughputs compare exactly (cross-multiplied)."""
+    """Integer costs keep every time exact, so throughputs compare exactly (cross-multiplied).
+
+    With free links a micro-batch more never lowers 1F1B's throughput. With latency it can by a little
+    (measured worst 1.2% over 3000 random cases): receives are posted one message ahead, so a different
+    share of the latency hides behind compute at each m (posting every receive at the start dips too; only
+    posting each receive just before its consumer, which exposes every latency, never did). What holds
+    with latency: a micro-batch more never shortens the step.
+    """
     stages = tuple(
         StageCost(forward_us=data.draw(small_ints), backward_input_us=data.draw(small_ints), backward_weight_us=0)
         for _ in range(p)
     )
-    costs = CostModel(stages=stages, default_link=Link(latency_us=data.draw(st.integers(0, 5))))
-    step = simulate(one_f_one_b(p, m), costs).estimate.step_time_us
-    step_more = simulate(one_f_one_b(p, m + 1), costs).estimate.step_time_us
+    free = CostModel(stages=stages, default_link=Link(latency_us=0))
+    step = simulate(one_f_one_b(p, m), free).estimate.step_time_us
+    step_more = simulate(one_f_one_b(p, m + 1), free).estimate.step_time_us
     assert (m + 1) * step >= m * step_more  # (m+1)/step_more >= m/step
+    slow = CostModel(stages=stages, default_link=Link(latency_us=data.draw(st.integers(1, 5))))
+    assert (
+        simulate(one_f_one_b(p, m + 1), slow).estimate.step_time_us
+        >= simulate(one_f_one_b(p, m), slow).estimate.step_time_us
+    )
 
 
 @settings(max_examples=60, deadline=None)

@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--from", dest="from_format", choices=_FORMATS, help="default: from the suffix")
     convert.add_argument("--to", dest="to_format", choices=_FORMATS, help="default: from the suffix")
     convert.add_argument("--json", action="store_true", help="print what was written as JSON")
+    convert.add_argument(
+        "--microbatches",
+        type=int,
+        help="a torch CSV's micro-batch count (default: inferred; every stage must run 0..m-1)",
+    )
 
     profile_cmd.add_parser(sub)
     tune_cmd.add_parser(sub)
@@ -135,7 +140,9 @@ def _plan_show(args: argparse.Namespace) -> int:
 
 
 def _plan_convert(args: argparse.Namespace) -> int:
-    plan = load_plan(args.source, format=args.from_format)
+    if args.microbatches is not None and args.microbatches < 1:
+        raise UsageError(f"--microbatches must be >= 1, got {args.microbatches}")
+    plan = load_plan(args.source, format=args.from_format, num_microbatches=args.microbatches)
     try:
         save_plan(plan, args.destination, format=args.to_format)
     except OSError as exc:

@@ -36,8 +36,13 @@ def plan_format_for(path: Path) -> PlanFormat:
         raise PlanError(f"{path}: unknown plan file suffix {path.suffix!r}; use one of {known}") from None
 
 
-def load_plan(path: Path, *, format: PlanFormat | None = None) -> plan_pb2.Plan:
-    """Read and validate a plan; raise PlanError saying what is wrong with the file."""
+def load_plan(path: Path, *, format: PlanFormat | None = None, num_microbatches: int | None = None) -> plan_pb2.Plan:
+    """Read and validate a plan; raise PlanError saying what is wrong with the file.
+
+    ``num_microbatches``: a torch CSV's micro-batch count (inferred when not
+    given; see ``plan_from_torch_csv``); other formats carry their own and must
+    agree with it.
+    """
     kind = format or plan_format_for(path)
     try:
         data = path.read_bytes()
@@ -49,9 +54,9 @@ def load_plan(path: Path, *, format: PlanFormat | None = None) -> plan_pb2.Plan:
         elif kind == "json":
             plan = json_format.Parse(data.decode("utf-8"), plan_pb2.Plan())
         elif kind == "text":
-            return plan_from_text(data.decode("utf-8"))
+            plan = plan_from_text(data.decode("utf-8"))
         else:
-            return plan_from_torch_csv(data.decode("utf-8"), name=path.stem)
+            return plan_from_torch_csv(data.decode("utf-8"), name=path.stem, num_microbatches=num_microbatches)
     except PlanError as exc:
         raise PlanError(f"{path}: {exc}") from None
     except (DecodeError, json_format.ParseError, UnicodeDecodeError) as exc:
@@ -60,6 +65,11 @@ def load_plan(path: Path, *, format: PlanFormat | None = None) -> plan_pb2.Plan:
         validate_plan(plan)
     except PlanError as exc:
         raise PlanError(f"{path}: {exc}") from None
+    if num_microbatches is not None and num_microbatches != plan.num_microbatches:
+        raise PlanError(
+            f"{path}: the plan has {plan.num_microbatches} micro-batches, not {num_microbatches}: "
+            "drop --microbatches or give the plan's count"
+        )
     return plan
 
 
