@@ -95,10 +95,10 @@ def add_p2p_actions(
         for action in program:
             consumed: list[int] = []
             for part in action.computations:
-                found = _receives(part, placement, num_stages)
-                if found is None:
+                needed = _receives(part, placement, num_stages)
+                if needed is None:
                     continue
-                recv = found[0]
+                recv = needed[0]
                 if recv not in position:  # nobody sends it; the verifier names the gap
                     out.append(recv)
                     continue

@@ -10,8 +10,8 @@ collectives; ``exact_schedule`` (extra
 
 from importlib.metadata import PackageNotFoundError, version
 
-from octopipe.tune.exact import ExactResult, exact_schedule
 from octopipe.ir.fsdp import PLACEMENTS, CollectivePlacement, place_collectives
+from octopipe.tune.exact import ExactResult, exact_schedule
 from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
 from octopipe.tune.mesh_search import MeshCandidate, MeshTuneConfig, MeshTuneResult, scale_microbatches, tune_mesh
 from octopipe.tune.optimizer import PhaseReport, TuneConfig, TuneResult, tune

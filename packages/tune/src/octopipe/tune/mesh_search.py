@@ -34,10 +34,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from octopipe.ir import validate_plan
+from octopipe.ir.fsdp import PLACEMENTS, CollectivePlacement, place_collectives
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import CostModel, Estimate, GroupLinks, Link, OverlapModel, SimulationConfig, simulate
-from octopipe.ir.fsdp import PLACEMENTS, CollectivePlacement, place_collectives
 from octopipe.tune.optimizer import TuneConfig, _Search
 from octopipe.tune.problem import (
     FAMILIES,
