@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from octopipe.execute.cli import EXIT_OK, EXIT_USAGE, main
-from octopipe.ir import load_plan, plan_to_text
+from octopipe.ir import load_plan, plan_to_text, rank_actions
 from octopipe.tune import one_f_one_b
 
 # The console script where the package is installed (scripts/setup.sh); `python -m` where it is
@@ -62,6 +62,35 @@ def test_unreadable_plan_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture
     bad.write_text("octopipe-plan v1\nmicrobatches 2\nstage 0 rank 0 []\nrank 0: 0F7\n")
     assert main(["plan", "show", str(bad)]) == EXIT_USAGE
     assert "micro-batch 7 is out of range" in capsys.readouterr().err
+
+
+def test_nccl_unsafe_plans_unknown_actions_and_wrong_microbatch_counts_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 14's bad input: one line naming what to change (a verifier's grid may follow), exit 2, nothing runs."""
+    unknown = tmp_path / "unknown.csv"
+    unknown.write_text("0F0,0F1,0B0,0B1\n1F0,1B0,1X1,1B1\n")
+    assert main(["plan", "convert", str(unknown), str(tmp_path / "out.txt")]) == EXIT_USAGE
+    first = capsys.readouterr().err.splitlines()[0]
+    assert "CSV row 2 (rank 1), column 3: invalid action '1X1'" in first
+    shifted = tmp_path / "shifted.csv"  # the last rank runs micro-batches 1..2, as torch's off-by-one 1F1B order
+    shifted.write_text("0F0,0F1,0B0,0B1\n1F1,1B0,1F2,1B1\n")
+    assert main(["plan", "convert", str(shifted), str(tmp_path / "out.txt"), "--microbatches", "2"]) == EXIT_USAGE
+    first = capsys.readouterr().err.splitlines()[0]
+    assert "stage 1 (rank 1) does not run micro-batches 0..1 (2 given)" in first and "--microbatches" in first
+    assert not (tmp_path / "out.txt").exists()
+    plan = one_f_one_b(2, 4, layer_names=[["embed", "layers.0"], ["layers.1", "head"]])
+    texts = [str(a) for a in rank_actions(plan)[1]]
+    actions = list(plan.ranks[1].actions)
+    actions.insert(texts.index("1RECV_F0"), actions.pop(texts.index("1RECV_F1")))  # against the send order
+    del plan.ranks[1].actions[:]
+    plan.ranks[1].actions.extend(actions)
+    unsafe = tmp_path / "unsafe.txt"
+    unsafe.write_text(plan_to_text(plan))
+    assert main(["simulate", str(unsafe)]) == EXIT_USAGE
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("octopipe: error: rank 1, step 0 (1RECV_F1): receives from rank 0 are matched in order")
+    assert "post the receives from rank 0 in the order that rank sends" in first
 
 
 def test_show_example_as_every_format(capsys: pytest.CaptureFixture[str]) -> None:
