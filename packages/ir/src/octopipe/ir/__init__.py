@@ -24,6 +24,7 @@ from octopipe.ir.files import PlanFormat, load_plan, plan_format_for, save_plan
 from octopipe.ir.fsdp import PLACEMENTS, CollectivePlacement, place_collectives, with_collectives
 from octopipe.ir.grid import format_grid
 from octopipe.ir.lower import add_p2p_actions
+from octopipe.ir.merge import merge_backward
 from octopipe.ir.mesh import MeshSpec, mesh_spec
 from octopipe.ir.plan import PlanError, StageSpec, build_plan, rank_actions, stage_ranks, validate_plan
 from octopipe.ir.program import Program, compile_plan
@@ -60,6 +61,7 @@ __all__ = [
     "format_action",
     "format_grid",
     "load_plan",
+    "merge_backward",
     "mesh_spec",
     "parse_action",
     "place_collectives",
