@@ -27,7 +27,18 @@ from octopipe.execute.interop import _StandIn, torch_placement
 from octopipe.execute.runtime import RunResult, build_model, reference_run, run_local_many, workload_reference
 from octopipe.ir import ActionKind, plan_from_torch_csv, plan_to_torch_csv, rank_actions, stage_ranks
 from octopipe.plan.v1 import plan_pb2
-from octopipe.tune import dualpipe_v, equal_partition, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_v
+from octopipe.tune import (
+    dualpipe_v,
+    equal_partition,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    v_half,
+    v_min,
+    zb_h1,
+    zb_h2,
+    zb_v,
+)
 from tests.execute.test_runtime import assert_bitwise, tuned
 from tests.execute.torch_pipelining import torch_gradients
 
@@ -91,7 +102,10 @@ def library() -> list[plan_pb2.Plan]:
         one_f_one_b(RANKS, M, layer_names=per_rank),
         zb_h1(RANKS, M, layer_names=per_rank),
         interleaved_1f1b(RANKS, 2, M, layer_names=per_chunk),
+        zb_h2(RANKS, M, layer_names=per_rank),
         zb_v(RANKS, M, layer_names=per_chunk),
+        v_half(RANKS, M, layer_names=per_chunk),
+        v_min(RANKS, M, layer_names=per_chunk),
         dualpipe_v(RANKS, M, layer_names=per_chunk),
         tuned(names, RANKS, M),
     ]
