@@ -60,6 +60,8 @@ def measure(steps: int) -> list[dict[str, Any]]:
     chosen = plans()
     runs = run_local_many(chosen, steps=steps, timeout_s=120)
     for plan, run in zip(chosen, runs, strict=True):
+        # where the ranks ran, as they report it (versions before RunResult.cores: derived, below)
+        ran_on = {str(rank): cores for rank, cores in getattr(run, "cores", {}).items()}
         times = measured_step_times_us(run)[1:]  # the first step warms up
         timelines = [t for t in timelines_to_proto(run) if t.step > 0]
         costs = CostModel.uniform(num_stages=len(plan.stages), stage=StageCost(), link=LOCAL_GLOO_LINK)
@@ -76,6 +78,7 @@ def measure(steps: int) -> list[dict[str, Any]]:
                 "measured_over_replay": measured / replayed,
                 "overhead_per_action_us": (measured - replayed) / actions,
                 "actions_busiest_rank": actions,
+                "rank_cores_reported": ran_on,
             }
         )
     return rows

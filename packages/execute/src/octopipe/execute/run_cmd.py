@@ -15,6 +15,17 @@ from octopipe.profile.v1 import profile_pb2
 __all__ = ["add_parser", "run"]
 
 
+def _cpu_list(text: str) -> tuple[int, ...]:
+    """``0,1`` or ``0-3,6`` -> the cores (argparse type: a ValueError becomes a usage error)."""
+    cores: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.strip().partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            raise ValueError(f"--cpus takes core numbers such as 0,1 or 0-3, got {text!r}")
+        cores.extend(range(int(low), int(high or low) + 1))
+    return tuple(cores)
+
+
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser("run", help="run a plan on local CPU ranks (gloo) or join a torchrun launch")
     parser.add_argument("plan", type=Path, help="plan file (.binpb, .json, .txt, .csv) naming its model")
@@ -25,6 +36,10 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--trace", type=Path, help="write a Perfetto trace (simulated and measured side by side)")
     parser.add_argument("--timeline", type=Path, help="write the measured timelines as a Profile (.binpb/.json)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin each rank to its own core")
+    parser.add_argument(
+        "--cpus", type=_cpu_list, default=(), help="cores to pin ranks to, e.g. 0,1 or 0-3 (default: every online CPU)"
+    )
+    parser.add_argument("--strict-pinning", action="store_true", help="refuse to run ranks that would share a core")
     parser.add_argument("--json", action="store_true", help="print losses and step times as JSON instead of a table")
     parser.add_argument(
         "--torchrun", action="store_true", help="join an external launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
@@ -84,7 +99,15 @@ def run(args: argparse.Namespace) -> int:
     from octopipe.execute.progress import spinner  # noqa: PLC0415
 
     with spinner(f"running {args.steps} steps on {len(plan.ranks)} local ranks ...", enabled=not args.json):
-        result = run_local(plan, steps=args.steps, seed=args.seed, timeout_s=args.timeout, pin_cores=not args.no_pin)
+        result = run_local(
+            plan,
+            steps=args.steps,
+            seed=args.seed,
+            timeout_s=args.timeout,
+            pin_cores=not args.no_pin,
+            cpus=args.cpus,
+            strict_pinning=args.strict_pinning,
+        )
     times = measured_step_times_us(result)
     if args.timeline:
         message = profile_pb2.Profile(device="cpu")
@@ -101,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
                 "plan": plan.name,
                 "losses": result.losses,
                 "measured_step_ms": [t / 1e3 for t in times],
+                "rank_cores": {str(rank): cores for rank, cores in sorted(result.cores.items())},
                 "simulated": estimate_json(simulation.estimate) if simulation is not None else None,
                 "files": {k: str(v) for k, v in (("timeline", args.timeline), ("trace", args.trace)) if v},
             }
@@ -121,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
             row.append(f"{simulation.estimate.step_time_us / 1e3:.1f}")
         table.add_row(*row)
     console.print(table)
+    console.print("cores: " + ", ".join(f"rank {r} on {c}" for r, c in sorted(result.cores.items())))
     if args.timeline:
         console.print(f"timelines: {args.timeline}")
     if args.trace:

@@ -21,6 +21,7 @@ import datetime
 import multiprocessing
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from octopipe.execute.linkprobe import free_port
+from octopipe.execute.runtime.pinning import shared_cores
 from octopipe.execute.runtime.worker import ABORT_KEY, WorkerConfig, worker_main
 from octopipe.ir import MeshSpec, mesh_spec
 from octopipe.plan.v1 import plan_pb2
@@ -53,6 +55,8 @@ class RunResult:
     timelines: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     #: rank -> channel ("send <peer>" or "recv <peer>") -> its transfers in the order they started, every step
     channels: dict[int, dict[str, list[int]]] = field(default_factory=dict)
+    #: rank -> the cores it ran on (one each when pinned)
+    cores: dict[int, list[int]] = field(default_factory=dict)
     wall_s: float = 0.0
 
 
@@ -69,6 +73,8 @@ def run_local_many(
     timeout_s: float = 60.0,
     learning_rate: float = 1e-3,
     pin_cores: bool = True,
+    cpus: Sequence[int] = (),
+    strict_pinning: bool = False,
     keep_grads: bool = False,
     keep_params: bool = False,
     fail_at: dict[int, tuple[int, int]] | None = None,
@@ -84,9 +90,14 @@ def run_local_many(
     process start-up and reuses captured stages between plans.
     ``checkpoint_dir``/``checkpoint_every`` save checkpoints (``runtime.checkpoint``);
     ``start_step`` with ``resume`` continues from ``checkpoint_dir/step-<start_step>``.
+    With ``pin_cores`` rank r runs on ``cpus[r % len(cpus)]`` (default: the
+    machine's online CPUs, whatever mask this process has); ranks that must
+    share cores are a warning, or a ValueError with ``strict_pinning``.
     """
     if not plans:
         raise ValueError("give at least one plan")
+    if any(c < 0 for c in cpus):
+        raise ValueError(f"cpus must be core numbers >= 0, got {list(cpus)}")
     meshes: list[MeshSpec] = []
     for plan in plans:
         verify_plan(plan)  # raises a VerificationError (a PlanError) naming rank, step and action
@@ -98,6 +109,11 @@ def run_local_many(
             f"{[mesh.world_size for mesh in meshes]}"
         )
     log = structlog.get_logger("octopipe.launcher")
+    sharing = shared_cores(world, cpus) if pin_cores else ""
+    if sharing and strict_pinning:
+        raise ValueError(f"{sharing}: run fewer ranks, give more cores, or drop strict pinning")
+    if sharing:
+        log.warning("ranks_share_cores", problem=sharing)
     port = free_port()
     store = dist.TCPStore(
         "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
@@ -117,6 +133,7 @@ def run_local_many(
             timeout_s=timeout_s,
             learning_rate=learning_rate,
             pin_cores=pin_cores,
+            cpus=tuple(cpus),
             keep_grads=keep_grads,
             keep_params=keep_params,
             checkpoint_dir=checkpoint_dir,
@@ -154,6 +171,7 @@ def run_local_many(
             result.params.update(entry["params"])
             result.timelines[int(entry["rank"])] = entry["timelines"]
             result.channels[int(entry["rank"])] = entry["channels"]
+            result.cores[int(entry["rank"])] = list(entry["cores"])
         merged.append(result)
     log.info("run_finished", wall_s=round(wall, 2), losses=[[round(x, 5) for x in r.losses] for r in merged])
     return merged

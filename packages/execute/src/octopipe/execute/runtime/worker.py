@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import structlog
 import torch
 import torch.distributed as dist
 
@@ -30,6 +31,7 @@ from octopipe.execute.runtime.comm import Channels
 from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime
 from octopipe.execute.runtime.mesh import MeshRank
 from octopipe.execute.runtime.models import build_model
+from octopipe.execute.runtime.pinning import pin_rank
 from octopipe.ir import Program, compile_plan, stage_ranks
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform import BWSplit, StageExecutable, split_backward
@@ -62,6 +64,8 @@ class WorkerConfig:
     timeout_s: float = 60.0
     learning_rate: float = 1e-3
     pin_cores: bool = True
+    #: the cores rank r chooses from (``cpus[r % len(cpus)]``); empty: the machine's online CPUs
+    cpus: tuple[int, ...] = ()
     keep_grads: bool = False
     keep_params: bool = False
     fail_at: tuple[int, int] | None = None  # (step, action index): raise there, for fault tests
@@ -120,9 +124,11 @@ def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
     (out / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
     if config.die_with_parent:
         _die_with_parent()
-    if config.pin_cores and hasattr(os, "sched_setaffinity"):
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    cores: list[int] = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if config.pin_cores:  # from the machine's online CPUs (or config.cpus), never from the inherited mask
+        cores, warning = pin_rank(rank, config.cpus)
+        if warning:
+            structlog.get_logger("octopipe.worker").warning("rank_pinning", rank=rank, problem=warning)
     torch.set_num_threads(1)
     store = dist.TCPStore(
         config.store_host,
@@ -139,6 +145,8 @@ def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
             timeout=datetime.timedelta(seconds=config.timeout_s),
         )
         result = _run(config, store, events)
+        for entry in result:
+            entry["cores"] = cores  # where this rank ran, for every benchmark's record
         dist.destroy_process_group()  # not after a failure: a channel thread may still wait inside gloo
         torch.save(result, out / f"rank{rank}.pt")
     except BaseException as exc:
