@@ -71,14 +71,17 @@ class _Channel:
                     self.log.append(op.transfer)
                     work = self.issue(op)
                     work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+                    del work  # no gloo work may outlive the process group (torch aborts at exit otherwise)
                 except RuntimeError as exc:
                     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                     self.broken = "timed out" if "imed out" in text else text
             op.error = self.broken
             op.done.set()
+            del op
 
-    def close(self) -> None:
+    def close(self, timeout_s: float) -> None:
         self.ops.put(None)
+        self.thread.join(timeout=timeout_s)
 
 
 class Channels:
@@ -162,9 +165,10 @@ class Channels:
             self._wait(op, f"{what}: {'sending to' if op.send else 'receiving from'} rank {peer}")
 
     def close(self) -> None:
-        """Stop the channel threads (after the last step)."""
+        """Stop the channel threads and wait for them (after the last step, before the group is destroyed)."""
         for channel in self._channels.values():
-            channel.close()
+            channel.close(self.timeout_s)
+        self._pending.clear()
 
     def _wait(self, op: _Op, what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
