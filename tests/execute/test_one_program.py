@@ -117,6 +117,8 @@ def _strict_channels(rank: int, world: int, swap: bool) -> None:
             assert not swap, "a send completed although the peer posted the other receive first"
         except CommTimeout:
             assert swap
+            # stay until rank 1's own deadline has passed: leaving would close the connection it waits on
+            time.sleep(6)
         return
     order = forward[::-1] if swap else forward
     buffers = {t: channels.post_recv(t) for t in order}
