@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -184,6 +185,32 @@ def test_tune_is_deterministic_for_a_seed() -> None:
     first, second = tune(profile, config), tune(profile, config)
     assert first.plan == second.plan
     assert first.estimate.step_time_us == second.estimate.step_time_us
+
+
+def test_tune_returns_1f1b_unless_a_plan_beats_it_by_more_than_the_error() -> None:
+    """``min_gain``: the simpler plan wins unless the predicted gain exceeds the simulator's error (issue 15)."""
+    profile = heterogeneous(16, seed=1)
+    config = TuneConfig(num_ranks=4, num_microbatches=8, kicks=1)
+    fastest = tune(profile, config)
+    gain = fastest.speedup - 1
+    assert gain > 0.02 and fastest.fastest_step_us == fastest.estimate.step_time_us
+    assert "fastest" in fastest.choice
+    tiny = tune(profile, replace(config, min_gain=0.001))  # every simpler plan is slower by more: the fastest
+    assert tiny.plan == fastest.plan and "slower by more than" in tiny.choice
+    fast, linear = fastest.estimate.step_time_us, fastest.best_by_family["linear"]
+    assert fastest.plan.labels["placement"] != "linear" and linear > fast  # the fastest here is not linear
+    simpler = tune(profile, replace(config, min_gain=(linear / fast - 1) * 1.05))
+    assert simpler.plan.labels["placement"] == "linear" and simpler.estimate.step_time_us == linear
+    assert "within the simulator's" in simpler.choice
+    within = tune(profile, replace(config, min_gain=gain * 1.1))  # within the error: 1F1B on equal layers
+    assert within.plan.labels["schedule"] == "1f1b"
+    assert [len(s.layer_names) for s in within.plan.stages] == [4, 4, 4, 4]
+    assert within.estimate.step_time_us == within.baseline.step_time_us
+    assert within.fastest_step_us == fastest.estimate.step_time_us
+    assert f"only {gain:.1%} faster" in within.choice
+    verify_plan(within.plan, CostModel.from_profile(within.plan, profile, default_link=Link()))
+    with pytest.raises(ValueError, match="min_gain"):
+        TuneConfig(num_ranks=2, num_microbatches=2, min_gain=1.5)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -73,6 +73,13 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--max-evaluations", type=int, default=3000, help="simulations at most (default 3000)")
     parser.add_argument("--kicks", type=int, default=1, help="random restarts of the partition search per placement")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.0,
+        help="the simulator's step-time error, e.g. 0.05: a more complex plan must beat a simpler one "
+        "(1F1B on equal layers first) by more than this to be chosen (default 0: the fastest)",
+    )
     parser.add_argument("--out", type=Path, default=Path("out/tuned.binpb"), help="plan file (.binpb/.pb or .json)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
 
@@ -115,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         max_evaluations=args.max_evaluations,
         kicks=args.kicks,
         seed=args.seed,
+        min_gain=args.min_gain,
     )
     result = tune(profile, config) if args.json else _tune_with_progress(profile, config)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -270,6 +278,7 @@ def _as_json(result: TuneResult, plan_path: Path, text_path: Path) -> dict[str, 
         "plan": str(plan_path),
         "plan_text": str(text_path),
         "description": result.description,
+        "choice": result.choice,
         "speedup_over_1f1b_equal": result.speedup,
         "tuned": estimate_json(result.estimate),
         "baseline_1f1b_equal": estimate_json(result.baseline),
@@ -317,5 +326,5 @@ def _print_tables(result: TuneResult, plan_path: Path, text_path: Path) -> None:
     console.print(
         f"speedup over 1F1B with equal layer counts: {result.speedup:.3f}x; {result.evaluations} simulations in "
         f"{result.seconds:.1f} s ({result.stopped}); memory cap {max(result.memory_caps.values()) / 2**20:.1f} MiB "
-        f"per rank\nwritten: {plan_path} and {text_path}"
+        f"per rank\nchosen: {result.choice}\nwritten: {plan_path} and {text_path}"
     )

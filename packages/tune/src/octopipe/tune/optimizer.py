@@ -74,6 +74,12 @@ class TuneConfig:
     simulator's optimistic default max(F, B). (Measured fused times are not
     used: a Profile's FusedCost names fixed layer lists, the tuner's stages
     change.)
+    ``min_gain``: the simulator's step-time error (e.g. 0.05 for 5%). A plan
+    more complex than another is chosen only when its predicted step is shorter
+    by more than this fraction: the simplest of 1F1B on equal layers, then each
+    family's best in ``FAMILIES`` order (linear, interleaved-2, interleaved-4,
+    v), whose step is within ``1 + min_gain`` of the fastest is returned. 0
+    returns the fastest.
     """
 
     num_ranks: int
@@ -86,6 +92,7 @@ class TuneConfig:
     overlap_hidden_fraction: float = 0.0
     max_evaluations: int = 3000
     time_budget_s: float = 30.0
+    min_gain: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -97,6 +104,8 @@ class TuneConfig:
             raise ValueError(f"families {unknown or '()'}: choose from {', '.join(FAMILIES)}")
         if not 0.0 <= self.overlap_hidden_fraction <= 1.0:
             raise ValueError(f"overlap_hidden_fraction must be in [0, 1], got {self.overlap_hidden_fraction}")
+        if not 0.0 <= self.min_gain < 1.0:
+            raise ValueError(f"min_gain is a fraction of the step time in [0, 1), got {self.min_gain}")
         if self.kicks < 0 or self.max_evaluations < 1 or not self.time_budget_s > 0:
             raise ValueError("kicks must be >= 0, max_evaluations >= 1 and time_budget_s > 0")
 
@@ -133,6 +142,10 @@ class TuneResult:
     evaluations: int = 0
     seconds: float = 0.0
     stopped: str = "fixed point"
+    #: why this plan: the fastest, or the simplest within ``TuneConfig.min_gain`` of the fastest
+    choice: str = ""
+    #: the fastest plan's predicted step (the chosen one's when ``min_gain`` is 0)
+    fastest_step_us: float = 0.0
 
     @property
     def speedup(self) -> float:
@@ -396,6 +409,7 @@ def tune(
         "linear",
     )
     by_family: dict[str, float] = {}
+    finalists: list[tuple[Score, plan_pb2.Plan, tuple[int, ...], str, str]] = [best]  # simplest first
     starts: list[tuple[Score, str, _Schedule, tuple[int, ...]]] = []
     for family in config.families:
         if search.out_of_budget():
@@ -412,8 +426,13 @@ def tune(
         else:
             schedule, bounds = search.refine(family, schedule, bounds)
         by_family[family] = schedule.score.step_time_us if schedule.score.fits else float("inf")
+        finalists.append((schedule.score, schedule.skeleton, bounds, schedule.name, family))
         if schedule.score < best[0]:
             best = (schedule.score, schedule.skeleton, bounds, schedule.name, family)
+    simplest = finalists[0]
+    finalists.sort(key=lambda item: 0 if item is simplest else 1 + config.families.index(item[4]))
+    fastest = best
+    best, choice = _simplest_within(finalists, fastest, config.min_gain)
     score, skeleton, bounds, name, family = best
     if not score.fits:
         raise ValueError(
@@ -434,7 +453,34 @@ def tune(
         evaluations=evaluator.evaluations,
         seconds=time.perf_counter() - search.start,
         stopped=search.stopped,
+        choice=choice,
+        fastest_step_us=fastest[0].step_time_us,
     )
+
+
+def _simplest_within(
+    finalists: Sequence[tuple[Score, plan_pb2.Plan, tuple[int, ...], str, str]],
+    fastest: tuple[Score, plan_pb2.Plan, tuple[int, ...], str, str],
+    min_gain: float,
+) -> tuple[tuple[Score, plan_pb2.Plan, tuple[int, ...], str, str], str]:
+    """The first (simplest) finalist within ``1 + min_gain`` of the fastest, and why it was chosen."""
+    fast = fastest[0].step_time_us
+    label = f"{fastest[3]} on {fastest[4]}"
+    if min_gain <= 0 or not fastest[0].fits:
+        return fastest, f"the fastest predicted plan ({label})"
+    for finalist in finalists:
+        if finalist[0].fits and finalist[0].step_time_us <= fast * (1 + min_gain):
+            if finalist is fastest or finalist[0].step_time_us == fast:
+                return finalist, (
+                    f"the fastest predicted plan ({label}); every simpler plan is slower by more than "
+                    f"the {min_gain:.1%} error"
+                )
+            gain = finalist[0].step_time_us / fast - 1
+            return finalist, (
+                f"{finalist[3]} on {finalist[4]}: the fastest ({label}) is only {gain:.1%} faster predicted, "
+                f"within the simulator's {min_gain:.1%} error"
+            )
+    return fastest, f"the fastest predicted plan ({label})"
 
 
 def _caps(profile: profile_pb2.Profile, config: TuneConfig, baseline: Candidate) -> dict[int, int]:
