@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -34,6 +33,7 @@ from octopipe.execute.interop import TORCH_SCHEDULES, torch_placement, torch_sch
 from octopipe.execute.linkprobe import free_port
 from octopipe.execute.runtime import measured_step_times_us, run_local, workload_reference
 from octopipe.execute.runtime.models import build_model
+from octopipe.execute.runtime.pinning import pin_rank
 from octopipe.plan.v1 import plan_pb2
 from octopipe.tune import equal_partition, one_f_one_b
 
@@ -41,7 +41,7 @@ SCHEDULES = ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "Schedu
 
 
 def _torch_worker(rank: int, port: int, name: str, reference: bytes, m: int, steps: int, out: str) -> None:
-    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]})
+    cores, _ = pin_rank(rank)  # the machine's online CPUs, never the mask this process inherited
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300)
@@ -78,11 +78,12 @@ def _torch_worker(rank: int, port: int, name: str, reference: bytes, m: int, ste
         times.append((time.perf_counter_ns() - start) / 1e3)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(times))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"times": times, "cores": cores}))
     dist.destroy_process_group()
 
 
-def run_torch(name: str, reference: Any, m: int, steps: int) -> list[float]:
+def run_torch(name: str, reference: Any, m: int, steps: int) -> tuple[list[float], dict[int, list[int]]]:
+    """torch's ``name`` schedule: each step's time (slowest rank), and the cores each rank ran on."""
     with tempfile.TemporaryDirectory() as folder:
         mp.start_processes(
             _torch_worker,
@@ -91,7 +92,8 @@ def run_torch(name: str, reference: Any, m: int, steps: int) -> list[float]:
             start_method="spawn",
         )
         per_rank = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(2)]
-    return [max(values) for values in zip(*per_rank, strict=True)]
+    times = [max(values) for values in zip(*(r["times"] for r in per_rank), strict=True)]
+    return times, {r: per_rank[r]["cores"] for r in range(2)}
 
 
 def run_octopipe(name: str, reference: Any, m: int, steps: int) -> list[float]:
@@ -126,7 +128,7 @@ def main() -> None:
     for name in args.schedules:
         measured: dict[str, list[float]] = {"torch": [], "octopipe": []}
         for _ in range(args.rounds):
-            measured["torch"] += run_torch(name, reference, m, args.steps)[1:]
+            measured["torch"] += run_torch(name, reference, m, args.steps)[0][1:]
             measured["octopipe"] += run_octopipe(name, reference, m, args.steps)[1:]
         row: dict[str, Any] = {"schedule": name}
         for key, values in measured.items():

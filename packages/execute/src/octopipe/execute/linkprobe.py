@@ -1,15 +1,19 @@
 """Measure the point-to-point link between two local ranks (gloo on 127.0.0.1).
 
-Two processes ping-pong tensors of several sizes; half the median round trip
-is the one-way time per size, and a least-squares line through those points
-gives the link's latency (intercept) and bandwidth (1 / slope).
+Two processes, pinned to two distinct cores (as the ranks of a run are),
+ping-pong tensors of several sizes; half the median round trip is the one-way
+time per size. The latency is the smallest size's one-way time (a median of
+many round trips, so one slow round trip does not move it); the bandwidth is
+the least-squares slope through the origin of (bytes, time above the latency)
+over the other sizes. (An intercept fitted through all sizes is dominated by
+the noise of the largest transfers: it moved from 22 to 145 us between two
+probes of the same machine.)
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -21,19 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from octopipe.execute.runtime.pinning import pin_rank
+from octopipe.execute.runtime.ports import free_port
 from octopipe.profile.v1 import profile_pb2
 
 __all__ = ["DEFAULT_SIZES", "fit_link", "free_port", "local_links", "measure_link"]
 
 DEFAULT_SIZES = (4, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def local_links(cost: profile_pb2.LinkCost, num_ranks: int) -> list[profile_pb2.LinkCost]:
@@ -53,20 +51,22 @@ def local_links(cost: profile_pb2.LinkCost, num_ranks: int) -> list[profile_pb2.
 
 
 def fit_link(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
-    """(latency_us, bandwidth_bytes_per_second) of the line through (bytes, one-way us) points."""
+    """(latency_us, bandwidth_bytes_per_second) from (bytes, one-way us) points: the smallest size's time
+    is the latency, the slope through the origin of the others' time above it the bandwidth."""
     if len(points) < 2:
         raise ValueError("need at least two sizes to fit latency and bandwidth")
-    xs = [float(b) for b, _ in points]
-    ys = [t for _, t in points]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sxx
-    latency = max(0.0, mean_y - slope * mean_x)
+    ordered = sorted(points)
+    latency = max(0.0, ordered[0][1])
+    xs = [float(b - ordered[0][0]) for b, _ in ordered[1:]]
+    ys = [t - latency for _, t in ordered[1:]]
+    sxx = sum(x * x for x in xs)
+    slope = sum(x * y for x, y in zip(xs, ys, strict=True)) / sxx if sxx > 0 else 0.0
     bandwidth = 1e6 / slope if slope > 0 else float("inf")
     return latency, bandwidth
 
 
 def _worker(rank: int, port: int, sizes: Sequence[int], repeats: int, timeout_s: float, out: str) -> None:
+    pin_rank(rank)  # two distinct cores where the machine has two, never the inherited mask
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -80,7 +80,8 @@ def _worker(rank: int, port: int, sizes: Sequence[int], repeats: int, timeout_s:
         for size in sizes:
             buffer = torch.zeros(max(1, size // 4), dtype=torch.float32)
             samples = []
-            for index in range(repeats + 2):
+            rounds = repeats * 4 if size <= 4096 else repeats  # small messages are cheap: many more of them
+            for index in range(rounds + 2):
                 start = time.perf_counter_ns()
                 if rank == 0:
                     dist.send(buffer, 1)
@@ -98,7 +99,7 @@ def _worker(rank: int, port: int, sizes: Sequence[int], repeats: int, timeout_s:
 
 
 def measure_link(
-    *, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 10, timeout_s: float = 120.0
+    *, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 25, timeout_s: float = 120.0
 ) -> tuple[profile_pb2.LinkCost, list[tuple[int, float]]]:
     """Measure rank 0 <-> rank 1 over gloo on this machine: the fitted LinkCost and the (bytes, us) points."""
     log = structlog.get_logger("octopipe.linkprobe")

@@ -1,0 +1,65 @@
+"""What every timing benchmark records and checks: a quiet machine, and where each rank ran.
+
+A figure taken while something else runs is not a result: ``require_quiet``
+refuses to start when the 1-minute load average is above a threshold (unless
+told to go on, and then the JSON says so), and ``Environment`` records the
+load before and after and the cores each rank of each run reported.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass, field
+from typing import Any
+
+from octopipe.execute.runtime.pinning import online_cpus
+
+__all__ = ["Environment", "distinct_cores", "require_quiet"]
+
+#: 1-minute load average above which a timing benchmark does not start (a quiet 2-core machine sits near 0.1-0.5)
+DEFAULT_MAX_LOAD = 0.8
+
+
+def require_quiet(max_load: float = DEFAULT_MAX_LOAD, *, force: bool = False) -> tuple[float, float, float]:
+    """The load average now; SystemExit when the 1-minute load is above ``max_load`` and not ``force``."""
+    load = os.getloadavg()
+    if load[0] > max_load and not force:
+        raise SystemExit(
+            f"load average {load[0]:.2f} is above {max_load}: something else is running (a test suite, a helper, "
+            "another benchmark). Stop it and wait a minute, or pass --force (the JSON then says the machine was busy)."
+        )
+    return load
+
+
+def distinct_cores(cores: dict[int, list[int]]) -> bool:
+    """Whether every rank ran on its own single core, none shared."""
+    singles = [tuple(c) for c in cores.values()]
+    return all(len(c) == 1 for c in singles) and len(set(singles)) == len(singles)
+
+
+@dataclass
+class Environment:
+    """The machine a benchmark ran on: load before/after, online CPUs, each run's rank cores."""
+
+    forced: bool = False
+    load_before: tuple[float, float, float] = field(default_factory=os.getloadavg)
+    load_after: tuple[float, float, float] | None = None
+    runs: list[dict[int, list[int]]] = field(default_factory=list)
+
+    def record(self, cores: dict[int, list[int]]) -> None:
+        """One run's rank -> cores; a run whose ranks shared a core is an error (the figure would be wrong)."""
+        if not distinct_cores(cores):
+            raise SystemExit(f"ranks did not run on distinct single cores: {cores}")
+        self.runs.append({int(r): list(c) for r, c in cores.items()})
+
+    def finish(self) -> dict[str, Any]:
+        self.load_after = os.getloadavg()
+        return {
+            "machine": platform.processor() or platform.machine(),
+            "online_cpus": online_cpus(),
+            "load_average_before": list(self.load_before),
+            "load_average_after": list(self.load_after),
+            "forced_while_busy": self.forced,
+            "rank_cores_per_run": self.runs,
+        }
