@@ -14,6 +14,11 @@ order cannot deadlock. Messages carry their transfer id as the tag (the same
 on both ends: both compile the same plan), so a mismatch would hang rather
 than deliver the wrong tensor — and every wait has a deadline.
 
+A transfer may carry several tensors (a whole-model stage's boundary: hidden
+states, router logits, ...): they go in order, one after the other, on the
+transfer's channel thread under the transfer's tag, so the channel still
+completes its transfers in issue order.
+
 Receive buffers are allocated on first use and reused every step.
 """
 
@@ -23,7 +28,7 @@ import datetime
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +36,10 @@ import torch.distributed as dist
 
 from octopipe.ir.program import Program
 
-__all__ = ["Aborted", "Channels", "CommTimeout"]
+__all__ = ["Aborted", "BufferSpec", "Channels", "CommTimeout"]
+
+#: a receive buffer's shape and dtype
+BufferSpec = tuple[torch.Size, torch.dtype]
 
 #: how often a waiting rank looks at the run's abort flag
 _POLL_S = 0.2
@@ -48,7 +56,7 @@ class CommTimeout(TimeoutError):
 @dataclass(eq=False)
 class _Op:
     transfer: int
-    tensor: torch.Tensor
+    tensors: tuple[torch.Tensor, ...]
     send: bool
     done: threading.Event = field(default_factory=threading.Event)
     error: str = ""
@@ -57,7 +65,9 @@ class _Op:
 class _Channel:
     """One direction between this rank and a peer: a thread that runs its operations one after the other."""
 
-    def __init__(self, name: str, issue: Callable[[_Op], dist.Work], timeout_s: float, log: list[int]) -> None:
+    def __init__(
+        self, name: str, issue: Callable[[_Op, torch.Tensor], dist.Work], timeout_s: float, log: list[int]
+    ) -> None:
         self.ops: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
         self.issue, self.timeout_s, self.log = issue, timeout_s, log
         self.broken = ""
@@ -69,9 +79,10 @@ class _Channel:
             if not self.broken:
                 try:
                     self.log.append(op.transfer)
-                    work = self.issue(op)
-                    work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-                    del work  # no gloo work may outlive the process group (torch aborts at exit otherwise)
+                    for tensor in op.tensors:  # one transfer's tensors in order, each done before the next
+                        work = self.issue(op, tensor)
+                        work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+                        del work  # no gloo work may outlive the process group (torch aborts at exit otherwise)
                 except RuntimeError as exc:
                     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                     self.broken = "timed out" if "imed out" in text else text
@@ -87,7 +98,8 @@ class _Channel:
 class Channels:
     """The point-to-point operations of one rank's program (``rank`` is its pipeline rank).
 
-    ``buffer_spec(transfer)`` gives a receive buffer's shape and dtype. With a
+    ``buffer_spec(transfer)`` gives a receive buffer's shape and dtype, or a
+    list of them for a transfer that carries several tensors. With a
     pp x dp mesh, ``peers`` maps each pipeline rank to the global rank of this
     replica's copy of it, so messages go between matching replicas.
     """
@@ -97,7 +109,7 @@ class Channels:
         *,
         program: Program,
         rank: int,
-        buffer_spec: Callable[[int], tuple[torch.Size, torch.dtype]],
+        buffer_spec: Callable[[int], BufferSpec | Sequence[BufferSpec]],
         timeout_s: float,
         aborted: Callable[[], str | None],
         group: dist.ProcessGroup | None = None,
@@ -106,7 +118,7 @@ class Channels:
         self.program, self.rank = program, rank
         self.peers = dict(peers) if peers is not None else None
         self.buffer_spec, self.timeout_s, self.aborted, self.group = buffer_spec, timeout_s, aborted, group
-        self.buffers: dict[int, torch.Tensor] = {}
+        self.buffers: dict[int, list[torch.Tensor]] = {}
         #: channel ("send", peer) or ("recv", peer) -> the transfers in the order they started, over all steps
         self.started: dict[tuple[str, int], list[int]] = {}
         self._channels: dict[tuple[str, int], _Channel] = {}
@@ -122,9 +134,9 @@ class Channels:
             log = self.started.setdefault(key, [])
             process = self._process(peer)
 
-            def issue(op: _Op) -> dist.Work:
+            def issue(op: _Op, tensor: torch.Tensor) -> dist.Work:
                 call = dist.isend if op.send else dist.irecv
-                work = call(op.tensor, process, group=self.group, tag=op.transfer)
+                work = call(tensor, process, group=self.group, tag=op.transfer)
                 assert work is not None
                 return work
 
@@ -133,21 +145,32 @@ class Channels:
         return channel
 
     def post_recv(self, transfer: int) -> torch.Tensor:
-        """Post the receive of ``transfer`` (a RECV action); return its buffer, valid after ``wait``."""
-        buffer = self.buffers.get(transfer)
-        if buffer is None:
-            shape, dtype = self.buffer_spec(transfer)
-            buffer = self.buffers[transfer] = torch.empty(shape, dtype=dtype)
-        peer = self.program.sender[transfer][0]
-        op = _Op(transfer, buffer, send=False)
-        self._pending[transfer] = op
-        self._channel("recv", peer).ops.put(op)
+        """Post the receive of ``transfer`` (a RECV action) of one tensor; return its buffer, valid after ``wait``."""
+        (buffer,) = self.post_recv_all(transfer)
         return buffer
 
     def send(self, transfer: int, tensor: torch.Tensor) -> None:
         """Start sending ``tensor`` for ``transfer`` (a SEND action); it completes by ``finish``."""
+        self.send_all(transfer, [tensor])
+
+    def post_recv_all(self, transfer: int) -> list[torch.Tensor]:
+        """Post the receive of ``transfer``, every tensor it carries; return the buffers, valid after ``wait``."""
+        buffers = self.buffers.get(transfer)
+        if buffers is None:
+            spec = self.buffer_spec(transfer)
+            single = isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], torch.dtype)
+            specs: Sequence[BufferSpec] = [spec] if single else spec  # type: ignore[list-item,assignment]
+            buffers = self.buffers[transfer] = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+        peer = self.program.sender[transfer][0]
+        op = _Op(transfer, tuple(buffers), send=False)
+        self._pending[transfer] = op
+        self._channel("recv", peer).ops.put(op)
+        return list(buffers)
+
+    def send_all(self, transfer: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Start sending ``tensors`` (in order) for ``transfer`` (a SEND action); it completes by ``finish``."""
         peer = self.program.receiver[transfer][0]
-        op = _Op(transfer, tensor.contiguous(), send=True)
+        op = _Op(transfer, tuple(t.contiguous() for t in tensors), send=True)
         self._pending[-1 - transfer] = op  # sends and receives of one transfer never meet on one rank
         self._channel("send", peer).ops.put(op)
 

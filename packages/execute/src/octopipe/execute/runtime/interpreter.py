@@ -12,6 +12,13 @@ over directly. The last stage's loss is scaled by 1/m through the output
 gradient it starts the backward with, so accumulated gradients are those of
 the mean loss.
 
+A stage's boundary is a list of tensors: one for a layer-list stage, several
+for a whole-model graph stage (hidden states, router logits, ...). A SEND_F
+carries all of a stage's outputs, a SEND_B the gradients of those that carry
+one (``output_requires_grad``). Parameters named in ``per_microbatch``
+(tied weights, summed across ranks by the worker) keep one gradient per
+micro-batch in ``microbatch_grads`` instead of the running sum.
+
 A stage given as a :class:`ShardedStage` (its parameters sharded over a
 data-parallel group, see :mod:`octopipe.execute.runtime.mesh`) has no
 parameters to compute with until its UNSHARD action gathers them, every step;
@@ -90,14 +97,19 @@ class ActionRecord:
     rss_bytes: int
 
 
+Grads = list[torch.Tensor | None]
+
+
 @dataclass
 class _StepState:
-    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    inputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     forward_ctx: dict[tuple[int, int], ForwardContext] = field(default_factory=dict)
     weight_ctx: dict[tuple[int, int], WeightContext] = field(default_factory=dict)
-    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    output_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    input_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    #: one gradient (or None) per stage output
+    output_grads: dict[tuple[int, int], Grads] = field(default_factory=dict)
+    #: one gradient (or None) per boundary input of the stage (= per output of the stage before)
+    input_grads: dict[tuple[int, int], Grads] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
 
     def held_bytes(self) -> int:
@@ -106,8 +118,9 @@ class _StepState:
         A context's bytes are counted once, when it is first seen, so recording
         costs little per action; tensors shared between two contexts count twice.
         """
-        loose: list[object] = [*self.inputs.values(), *self.outputs.values(), *self.input_grads.values()]
-        loose += [t for t in self.output_grads.values() if t.dim() > 0]
+        loose: list[object] = [t for ts in (*self.inputs.values(), *self.outputs.values()) for t in ts]
+        loose += [t for ts in self.input_grads.values() for t in ts if t is not None]
+        loose += [t for ts in self.output_grads.values() for t in ts if t is not None and t.dim() > 0]
         total = storage_bytes(loose, exclude=self.static)
         live: dict[int, int] = {}
         for ctx in self.forward_ctx.values():
@@ -132,6 +145,7 @@ class RankRuntime:
         program: Program,
         stages: Mapping[int, StageExecutable | ShardedStage],
         channels: Channels,
+        per_microbatch: Mapping[int, Sequence[int]] | None = None,
     ) -> None:
         self.rank = rank
         #: the compiled program (all ranks); this rank runs ``actions``
@@ -148,9 +162,14 @@ class RankRuntime:
         self.channels = channels
         self.num_params = {s: e.graphs.num_params for s, e in stages.items()}
         self.grads: dict[int, list[torch.Tensor | None]] = {s: [None] * n for s, n in self.num_params.items()}
+        #: stage -> parameter indices whose gradients are kept per micro-batch (not summed here)
+        self.per_microbatch = {s: frozenset(i) for s, i in (per_microbatch or {}).items()}
+        #: (stage, parameter index) -> one gradient per micro-batch (None until its backward ran)
+        self.microbatch_grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         self.loss_scale = torch.ones(()) / num_microbatches
         self.static: list[torch.Tensor] = []
         self._restatic()
+        self.zero_grads()
         self._overlaps: dict[tuple[int, int, ActionKind], tuple[StageExecutable, StageExecutable, OverlapStage]] = {}
         self._reduced: set[int] = set()
 
@@ -163,17 +182,26 @@ class RankRuntime:
     def zero_grads(self) -> None:
         for stage in self.grads:
             self.grads[stage] = [None] * self.num_params[stage]
+        self.microbatch_grads = {
+            (s, i): [None] * self.m for s, indices in self.per_microbatch.items() for i in sorted(indices)
+        }
 
     def _exe(self, stage: int) -> StageExecutable:
         exe = self.stages.get(stage)
         assert exe is not None, f"stage {stage} computes without its parameters (compile_plan requires its UNSHARD)"
         return exe
 
-    def _accumulate(self, stage: int, grads: list[torch.Tensor | None]) -> None:
+    def _accumulate(self, stage: int, grads: list[torch.Tensor | None], mb: int) -> None:
         assert stage not in self._reduced, f"a backward of stage {stage} after its REDUCE_GRAD"
         acc = self.grads[stage]
+        kept = self.per_microbatch.get(stage, frozenset())
         for index, grad in enumerate(grads):
             if grad is None:
+                continue
+            if index in kept:
+                slot = self.microbatch_grads[(stage, index)]
+                assert slot[mb] is None, f"stage {stage}, micro-batch {mb}: two weight gradients"
+                slot[mb] = grad
                 continue
             acc[index] = grad if acc[index] is None else acc[index] + grad  # type: ignore[operator]
 
@@ -216,17 +244,44 @@ class RankRuntime:
         self, state: _StepState, stage: int, mb: int, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> list[torch.Tensor]:
         if stage == 0:
-            x = microbatches[mb][0]
+            values = [microbatches[mb][0]]
         elif (stage, mb) in state.inputs:
-            x = state.inputs.pop((stage, mb))
+            values = state.inputs.pop((stage, mb))
         else:  # the previous stage on this rank produced it (compile_plan checked that it ran before)
-            x = state.outputs.pop((stage - 1, mb))
-        return [x, microbatches[mb][1]] if stage == self.num_stages - 1 else [x]
+            values = state.outputs.pop((stage - 1, mb))
+        return [*values, microbatches[mb][1]] if stage == self.num_stages - 1 else list(values)
 
-    def _output_grad(self, state: _StepState, stage: int, mb: int) -> torch.Tensor:
+    def _output_grads(self, state: _StepState, stage: int, mb: int) -> Grads:
         if (stage, mb) in state.output_grads:
             return state.output_grads.pop((stage, mb))
         return state.input_grads.pop((stage + 1, mb))  # from the next stage on this rank (compile_plan checked it)
+
+    def _received_grads(self, stage: int, received: list[torch.Tensor]) -> Grads:
+        """A RECV_B's tensors, one per output that carries a gradient, as one gradient (or None) per output."""
+        flags = self._graphs(stage).output_requires_grad
+        assert sum(flags) == len(received), f"stage {stage}: {len(received)} gradients for {sum(flags)} outputs"
+        values = iter(received)
+        return [next(values) if needed else None for needed in flags]
+
+    def _boundary_grads(self, stage: int, input_grads: Grads) -> Grads:
+        """The input gradients that go to the stage before: one per boundary input (targets excluded)."""
+        graphs = self._graphs(stage)
+        count = graphs.num_inputs - (1 if stage == self.num_stages - 1 else 0)
+        grads = list(input_grads[:count])
+        for index, (grad, needed) in enumerate(zip(grads, graphs.input_requires_grad, strict=False)):
+            if needed and grad is None:
+                raise RuntimeError(
+                    f"stage {stage}'s backward gives no gradient for its boundary input {index}, which carries one"
+                )
+        return grads
+
+    def _sent_grads(self, stage: int, grads: Grads) -> list[torch.Tensor]:
+        flags = self._graphs(stage).input_requires_grad
+        return [g for g, needed in zip(grads, flags, strict=False) if needed and g is not None]
+
+    def _graphs(self, stage: int) -> StageGraphs:
+        exe = self.stages.get(stage)
+        return exe.graphs if exe is not None else self.sharded[stage].graphs
 
     def _overlap(
         self, action: Action, state: _StepState, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -243,27 +298,36 @@ class RankRuntime:
             full = backward.kind is ActionKind.FULL_BACKWARD
             overlap = OverlapStage(exe_f, exe_b, backward="full" if full else "input")
             self._overlaps[key] = (exe_f, exe_b, overlap)
+        if exe_f.graphs.num_outputs != 1 or exe_b.graphs.num_outputs != 1:
+            raise ValueError(
+                f"{action}: OVERLAP_F_B runs stages with one boundary tensor only; stage "
+                f"{forward.stage if exe_f.graphs.num_outputs != 1 else backward.stage} has several: "
+                "use a plan without OVERLAP_F_B for this model"
+            )
         inputs = self._stage_input(state, forward.stage, forward.microbatch, microbatches)
         bkey = (backward.stage, backward.microbatch)
         ctx = state.forward_ctx.pop(bkey)
-        grad = self._output_grad(state, backward.stage, backward.microbatch)
+        (grad,) = self._output_grads(state, backward.stage, backward.microbatch)
+        assert grad is not None
         result = overlap.run(inputs, ctx, grad)
-        self._forward_done(state, forward.stage, forward.microbatch, result.output, result.forward_ctx)
+        self._forward_done(state, forward.stage, forward.microbatch, [result.output], result.forward_ctx)
         if result.param_grads is not None:
-            self._accumulate(backward.stage, result.param_grads)
+            self._accumulate(backward.stage, result.param_grads, backward.microbatch)
         if result.weight_ctx is not None:
             state.weight_ctx[bkey] = result.weight_ctx
         if backward.stage > 0:
-            assert result.input_grads[0] is not None
-            state.input_grads[bkey] = result.input_grads[0]
+            state.input_grads[bkey] = self._boundary_grads(backward.stage, result.input_grads)
 
-    def _forward_done(self, state: _StepState, s: int, mb: int, out: torch.Tensor, ctx: ForwardContext) -> None:
+    def _forward_done(
+        self, state: _StepState, s: int, mb: int, outputs: list[torch.Tensor], ctx: ForwardContext
+    ) -> None:
         state.forward_ctx[(s, mb)] = ctx
         if s == self.num_stages - 1:
-            state.losses.append(out)
-            state.output_grads[(s, mb)] = self.loss_scale
+            (loss,) = outputs
+            state.losses.append(loss)
+            state.output_grads[(s, mb)] = [self.loss_scale]
         else:
-            state.outputs[(s, mb)] = out
+            state.outputs[(s, mb)] = outputs
 
     def _run(
         self, index: int, action: Action, state: _StepState, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -279,31 +343,32 @@ class RankRuntime:
         key = (s, mb)
         if kind is ActionKind.FORWARD:
             exe = self._exe(s)
-            out, ctx = exe.forward(self._stage_input(state, s, mb, microbatches))
-            self._forward_done(state, s, mb, out, ctx)
+            outputs, ctx = exe.forward_all(self._stage_input(state, s, mb, microbatches))
+            self._forward_done(state, s, mb, outputs, ctx)
         elif kind in (ActionKind.BACKWARD_INPUT, ActionKind.FULL_BACKWARD):
             exe = self._exe(s)
             ctx = state.forward_ctx.pop(key)
-            grad = self._output_grad(state, s, mb)
+            grads = self._output_grads(state, s, mb)
             if kind is ActionKind.FULL_BACKWARD:
-                input_grads, param_grads = exe.full_backward(ctx, grad)
-                self._accumulate(s, param_grads)
+                input_grads, param_grads = exe.full_backward_all(ctx, grads)
+                self._accumulate(s, param_grads, mb)
             else:
-                input_grads, state.weight_ctx[key] = exe.backward_input(ctx, grad)
+                input_grads, state.weight_ctx[key] = exe.backward_input_all(ctx, grads)
             if s > 0:
-                assert input_grads[0] is not None
-                state.input_grads[key] = input_grads[0]
+                state.input_grads[key] = self._boundary_grads(s, input_grads)
         elif kind is ActionKind.BACKWARD_WEIGHT:
             wctx = state.weight_ctx[key]  # its I ran before (compile_plan checked it)
-            self._accumulate(s, self._exe(s).backward_weight(wctx))
+            self._accumulate(s, self._exe(s).backward_weight(wctx), mb)
         elif kind is ActionKind.SEND_F:
-            self.channels.send(self.program.transfer_of[self.rank][index], state.outputs.pop(key))
+            self.channels.send_all(self.program.transfer_of[self.rank][index], state.outputs.pop(key))
         elif kind is ActionKind.SEND_B:
-            self.channels.send(self.program.transfer_of[self.rank][index], state.input_grads.pop(key))
+            sent = self._sent_grads(s, state.input_grads.pop(key))
+            self.channels.send_all(self.program.transfer_of[self.rank][index], sent)
         elif kind is ActionKind.RECV_F:  # posted now; the forward that consumes it waits for it
-            state.inputs[key] = self.channels.post_recv(self.program.transfer_of[self.rank][index])
-        elif kind is ActionKind.RECV_B:
-            state.output_grads[key] = self.channels.post_recv(self.program.transfer_of[self.rank][index])
+            state.inputs[key] = self.channels.post_recv_all(self.program.transfer_of[self.rank][index])
+        elif kind is ActionKind.RECV_B:  # the next stage's gradients for this stage's outputs
+            received = self.channels.post_recv_all(self.program.transfer_of[self.rank][index])
+            state.output_grads[key] = self._received_grads(s, received)
 
     def _collective(self, kind: ActionKind, stage: int) -> None:
         """UNSHARD, RESHARD, REDUCE_GRAD; no-ops on a stage that is not sharded (dp = 1)."""

@@ -57,6 +57,11 @@ class RunResult:
     channels: dict[int, dict[str, list[int]]] = field(default_factory=dict)
     #: rank -> the cores it ran on (one each when pinned)
     cores: dict[int, list[int]] = field(default_factory=dict)
+    #: rank -> the numerics guard's figures (reference and pipelined loss, seconds) for a whole-model capture
+    numerics: dict[int, dict[str, float]] = field(default_factory=dict)
+    #: rank -> each copy it holds of a tied parameter: first-step gradient and (``keep_params``) final value
+    tied_grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    tied_params: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     wall_s: float = 0.0
 
 
@@ -82,6 +87,7 @@ def run_local_many(
     checkpoint_every: int = 0,
     start_step: int = 0,
     resume: bool = False,
+    numerics_check: bool = True,
 ) -> list[RunResult]:
     """Run each plan for ``steps`` optimizer steps, one after the other, in one launch of local CPU ranks.
 
@@ -93,6 +99,9 @@ def run_local_many(
     With ``pin_cores`` rank r runs on ``cpus[r % len(cpus)]`` (default: the
     machine's online CPUs, whatever mask this process has); ranks that must
     share cores are a warning, or a ValueError with ``strict_pinning``.
+    ``numerics_check`` (whole-model capture): before the first step every rank
+    checks that its stages reproduce the model's own forward on one
+    micro-batch and refuses to train, naming the stage, if not.
     """
     if not plans:
         raise ValueError("give at least one plan")
@@ -140,6 +149,7 @@ def run_local_many(
             checkpoint_every=checkpoint_every,
             start_step=start_step,
             resume=resume,
+            numerics_check=numerics_check,
         )
         processes = [
             context.Process(
@@ -172,6 +182,11 @@ def run_local_many(
             result.timelines[int(entry["rank"])] = entry["timelines"]
             result.channels[int(entry["rank"])] = entry["channels"]
             result.cores[int(entry["rank"])] = list(entry["cores"])
+            if entry.get("numerics") is not None:
+                result.numerics[int(entry["rank"])] = dict(entry["numerics"])
+            if entry.get("tied_grads") or entry.get("tied_params"):
+                result.tied_grads[int(entry["rank"])] = dict(entry["tied_grads"])
+                result.tied_params[int(entry["rank"])] = dict(entry["tied_params"])
         merged.append(result)
     log.info("run_finished", wall_s=round(wall, 2), losses=[[round(x, 5) for x in r.losses] for r in merged])
     return merged

@@ -7,12 +7,23 @@ workload's sizes (``tiny``, ``sequence``, ``global_batch``, and any
 ``package.module:function``: the function is called with the config as keyword
 arguments (strings) and must return ``(model, batch_fn)``, where
 ``batch_fn(step) -> (inputs, targets)`` gives the global batch of a step.
+
+How the stages are made: the config key ``capture`` (taken out before the
+call) is ``whole`` -- the model's own training forward is captured as one graph
+and split at layer boundaries (``octopipe.capture.trace_model`` and
+``split_graph``), so everything its ``forward`` computes runs -- or ``stages``
+-- the layer list (``pipeline_layers()``/``split_model``). The default is
+``whole`` for transformers models and ``stages`` otherwise. A whole-model
+source is called as ``model(<first>=inputs, labels=targets)`` when its
+``forward`` takes ``labels`` (HuggingFace), else ``model(<first>=inputs,
+<second>=targets)``, with its first two parameter names.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,7 +32,7 @@ from torch import nn
 
 from octopipe.plan.v1 import plan_pb2
 
-__all__ = ["BuiltModel", "build_model", "workload_reference"]
+__all__ = ["BuiltModel", "build_model", "model_inputs", "workload_reference"]
 
 WORKLOAD_SOURCE = "octopipe.examples:workload"
 
@@ -30,6 +41,36 @@ WORKLOAD_SOURCE = "octopipe.examples:workload"
 class BuiltModel:
     model: nn.Module
     batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    #: whole-model capture: the names the model is called with, ``(inputs name, targets name)``;
+    #: None: the layer-list route, the model called as ``model(inputs, targets)``
+    input_names: tuple[str, str] | None = None
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The model's own eager loss for one micro-batch, called as the user calls it."""
+        if self.input_names is None:
+            return self.model(inputs, targets)
+        out = self.model(**model_inputs(self.input_names, inputs, targets))
+        return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def model_inputs(names: tuple[str, str], inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One micro-batch by the model's argument names."""
+    return {names[0]: inputs, names[1]: targets}
+
+
+def _call_names(model: nn.Module) -> tuple[str, str]:
+    params = [
+        p.name
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    if "labels" in params and params[0] != "labels":
+        return params[0], "labels"
+    if len(params) < 2:
+        raise TypeError(
+            f"{type(model).__name__}.forward takes {params}: a whole-model capture needs (inputs, targets) or labels="
+        )
+    return params[0], params[1]
 
 
 def workload_reference(name: str, **config: object) -> plan_pb2.ModelReference:
@@ -83,8 +124,15 @@ def build_model(reference: plan_pb2.ModelReference, *, seed: int = 0) -> BuiltMo
     if not module_name or not function_name:
         raise ValueError(f"model source {reference.source!r}: use 'package.module:function' or {WORKLOAD_SOURCE!r}")
     function = getattr(importlib.import_module(module_name), function_name)
+    config = dict(reference.config)
+    capture = config.pop("capture", "")
+    if capture not in ("", "whole", "stages"):
+        raise ValueError(f"model config capture={capture!r}: use 'whole' (the model's forward as written) or 'stages'")
     torch.manual_seed(seed)
-    model, batch = function(**dict(reference.config))
+    model, batch = function(**config)
     if not isinstance(model, nn.Module) or not callable(batch):
         raise TypeError(f"{reference.source} must return (nn.Module, batch_fn(step) -> (inputs, targets))")
-    return BuiltModel(model=model, batch=batch)
+    if not capture:
+        capture = "whole" if type(model).__module__.startswith("transformers.") else "stages"
+    names = _call_names(model) if capture == "whole" else None
+    return BuiltModel(model=model, batch=batch, input_names=names)

@@ -53,7 +53,7 @@ def _reference(
         tokens, targets = built.batch(step)
         step_losses = []
         for x, y in zip(tokens.chunk(num_microbatches), targets.chunk(num_microbatches), strict=True):
-            loss = model(x, y)
+            loss = built.loss(x, y)  # the model's own call (by argument names for a whole-model capture)
             step_losses.append(loss.detach())
             (loss * scale).backward()
         losses.append(float(torch.stack(step_losses).sum() * scale))

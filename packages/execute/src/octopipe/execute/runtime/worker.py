@@ -2,7 +2,13 @@
 
 A worker runs one or more plans (same model and ranks) one after the other,
 each from freshly built weights; stages captured for one plan are reused by the
-next when their layers and input shapes match. Results go to ``<result_dir>/rank<r>.pt`` (loaded with ``weights_only=True``);
+next when their layers and input shapes match. A model whose source asks for
+whole-model capture (transformers models by default, see runtime.models) is
+captured as written and split at the plan's layer boundaries
+(runtime.whole_model); before the first step its pipelined forward must
+reproduce the model's own loss (the numerics guard, unless ``numerics_check``
+is off), and tied parameters' gradients are summed across the ranks holding a
+copy before every optimizer step. Results go to ``<result_dir>/rank<r>.pt`` (loaded with ``weights_only=True``);
 a failure goes to ``<result_dir>/rank<r>.error`` and to the run's store, which
 every other rank watches while it waits, so all ranks stop together.
 """
@@ -16,7 +22,6 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,7 +37,16 @@ from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime
 from octopipe.execute.runtime.mesh import MeshRank
 from octopipe.execute.runtime.models import build_model
 from octopipe.execute.runtime.pinning import pin_rank
-from octopipe.ir import Program, compile_plan, stage_ranks
+from octopipe.execute.runtime.whole_model import (
+    buffer_specs,
+    graph_boundaries,
+    guard,
+    layer_boundaries,
+    reduce_tied,
+    tied_indices,
+    whole_model_stages,
+)
+from octopipe.ir import compile_plan, stage_ranks
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform import BWSplit, StageExecutable, split_backward
 
@@ -80,6 +94,8 @@ class WorkerConfig:
     die_with_parent: bool = False
     #: at every step boundary, take a newer plan from the store if one was published (``publish_plan``)
     adaptive: bool = False
+    #: whole-model capture: check before the first step that the pipelined forward reproduces the model's loss
+    numerics_check: bool = True
 
 
 class _Recorder:
@@ -200,7 +216,9 @@ class _CaptureCache:
     entries: dict[tuple[object, ...], tuple[StageGraphs, BWSplit]] = field(default_factory=dict)
 
     def executable(self, stage: StageModule, inputs: list[torch.Tensor]) -> StageExecutable:
-        key = (stage.layer_names, stage.is_last, tuple((tuple(x.shape), x.dtype) for x in inputs))
+        # a whole-model stage's graph depends on what crosses its boundaries, not only on its layers
+        boundary = (getattr(stage, "input_names", None), getattr(stage, "output_names", None))
+        key = (stage.layer_names, stage.is_last, boundary, tuple((tuple(x.shape), x.dtype) for x in inputs))
         if key not in self.entries:
             graphs = capture_stage(stage, inputs, stage_index=stage.stage_index)
             split = split_backward(graphs.backward, num_params=graphs.num_params, num_inputs=graphs.num_inputs)
@@ -237,29 +255,41 @@ def _run_plan(
     prank = mesh.pipeline_rank  # the pipeline rank whose program this process runs (= rank without a mesh)
     placement = stage_ranks(plan)
     built = mesh.replica_model(build_model(plan.model, seed=config.seed), m)  # batch(step): this replica's slice
-    stages = split_model(built.model, [list(s.layer_names) for s in plan.stages])
+    partition = [list(s.layer_names) for s in plan.stages]
     mine = sorted(s for s, r in placement.items() if r == prank)
 
     # example activations (one eager forward of the first micro-batch) give capture its shapes
     first = _split_batch(*built.batch(0), m)[0]
-    activations = [first[0]]
-    with torch.no_grad():
-        for stage in stages[:-1]:
-            activations.append(stage(activations[-1]))
-    inputs = {s: [activations[s], first[1]] if s == len(stages) - 1 else [activations[s]] for s in mine}
+    whole = None
+    stages: list[StageModule]
+    if built.input_names is not None:  # the model's forward as written, split at the plan's layer boundaries
+        if mesh.spec.dp > 1 or mesh.spec.ep > 1:
+            raise ValueError("a whole-model capture runs without a mesh (dp = ep = 1): drop the plan's mesh")
+        whole = whole_model_stages(built.model, built.input_names, first, partition)
+        stages = list(whole.stages)
+        inputs = {s: whole.examples[s] for s in mine}
+        boundaries = graph_boundaries(whole)
+    else:
+        stages = list(split_model(built.model, partition))
+        activations = [first[0]]
+        with torch.no_grad():
+            for stage in stages[:-1]:
+                activations.append(stage(activations[-1]))
+        inputs = {s: [activations[s], first[1]] if s == len(stages) - 1 else [activations[s]] for s in mine}
+        boundaries = layer_boundaries(stages, activations)
     executables = (
         mesh.compile(stages, inputs)  # dp > 1: sharded stages, gathered by UNSHARD actions
         if mesh.sharded
         else {s: cache.executable(stages[s], inputs[s]) for s in mine}
     )
 
-    def buffer_spec(program: Program) -> Callable[[int], tuple[torch.Size, torch.dtype]]:
-        def spec(transfer: int) -> tuple[torch.Size, torch.dtype]:
-            # a transfer moves the output of its boundary stage (RECV_F) or the gradient of that output (RECV_B)
-            tensor = activations[program.boundary_stage[transfer] + 1]
-            return tensor.shape, tensor.dtype
+    plain = {s: e for s, e in executables.items() if isinstance(e, StageExecutable)}
+    ties = whole.ties if whole is not None else []
 
-        return spec
+    tied_names = {name for tie in ties for _, name in tie.uses}
+
+    def holder(stage: int) -> int:  # the process that runs ``stage``
+        return mesh.peers[placement[stage]]
 
     def aborted() -> str | None:
         return store.get(ABORT_KEY).decode() if store.check([ABORT_KEY]) else None
@@ -270,15 +300,31 @@ def _run_plan(
             program=program,
             rank=prank,
             peers=mesh.peers,
-            buffer_spec=buffer_spec(program),
+            buffer_spec=buffer_specs(program, boundaries),
             timeout_s=config.timeout_s,
             aborted=aborted,
         )
-        return RankRuntime(rank=prank, program=program, stages=executables, channels=channels)
+        return RankRuntime(
+            rank=prank,
+            program=program,
+            stages=executables,
+            channels=channels,
+            per_microbatch=tied_indices(ties, plain),  # tied weights: summed across ranks per micro-batch
+        )
 
     runtime = make_runtime(plan)
     switches = 0
-    params = {name: param for s in mine for name, param in stages[s].named_parameters()}
+    named = {name: param for s in mine for name, param in stages[s].named_parameters()}
+    params: dict[str, torch.nn.Parameter] = {}  # a tied parameter once (two stages of this rank may hold it)
+    for name, param in named.items():
+        if all(param is not p for p in params.values()):
+            params[name] = param
+    numerics = None
+    if whole is not None and config.numerics_check:  # refuse to train a pipeline that computes something else
+        assert built.input_names is not None
+        report = guard(whole, plain, first, built.input_names)
+        numerics = {"reference_loss": report.reference_loss, "pipelined_loss": report.pipelined_loss}
+        numerics["seconds"] = report.seconds
     optimizer = torch.optim.AdamW(list(params.values()), lr=config.learning_rate, foreach=False)
     losses: list[float] = []
     timelines: list[dict[str, object]] = []
@@ -307,7 +353,10 @@ def _run_plan(
         for s in mine:
             names = executables[s].graphs.param_names
             for name, grad in zip(names, runtime.grads[s], strict=True):
-                params[name].grad = grad
+                named[name].grad = grad
+        if ties:  # a collective: every rank, every step, the same order
+            for (_, name), grad in reduce_tied(ties, stages, runtime, plain, holder).items():
+                named[name].grad = grad
         if step == config.start_step and config.keep_grads:
             first_grads = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
         optimizer.step()
@@ -337,6 +386,10 @@ def _run_plan(
     return {
         "plan": plan_index,
         "rank": rank,
+        "numerics": numerics,
+        # each copy of a tied parameter this rank holds (the names above are shared by the ranks holding one)
+        "tied_grads": {n: g for n, g in first_grads.items() if n in tied_names},
+        "tied_params": {n: p.detach() for n, p in params.items() if n in tied_names} if config.keep_params else {},
         "losses": losses,
         "grads": mesh.full(first_grads),  # whole tensors from the shards (a collective when dp > 1)
         "params": mesh.full({n: p.detach() for n, p in params.items()}) if config.keep_params else {},

@@ -1,0 +1,196 @@
+"""A rank's stages from the model's own forward: whole-model capture, the launch guard, tied gradients.
+
+``whole_model_stages`` records the model's training forward as one graph
+(``octopipe.capture.trace_model``) on the first micro-batch and cuts it at the
+plan's layer boundaries (``split_graph``); a stage boundary may carry several
+tensors (hidden states, router logits), some without a gradient.
+
+``guard`` is the numerics check at launch: each rank runs its own stages as
+the runtime does (the captured graphs), the other stages as written, and
+``check_numerics`` refuses to train, naming the stage, if an output or the
+loss differs from the model's own ops.
+
+``reduce_tied`` sums a tied parameter's gradients (tied input/output
+embeddings) across the stages that hold a copy, before the optimizer step,
+so every copy gets the same gradient and stays bitwise equal after the
+update. It is the model's own sum: per micro-batch, the uses' partial
+gradients in the order eager autograd adds them (later stages first), then
+over micro-batches in order -- exactly what ``loss.backward()`` accumulates
+into the one shared tensor. Each holder broadcasts its per-micro-batch
+partials (one broadcast per use, over the whole group), so every rank adds
+the same tensors in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from octopipe.capture import (
+    GraphStage,
+    ModelGraph,
+    NumericsReport,
+    StageModule,
+    TiedParameter,
+    check_numerics,
+    split_graph,
+    tied_parameters,
+    trace_model,
+)
+from octopipe.execute.runtime.comm import BufferSpec
+from octopipe.execute.runtime.interpreter import RankRuntime
+from octopipe.execute.runtime.models import model_inputs
+from octopipe.ir.program import SEND_F, Program
+from octopipe.transform import StageExecutable
+
+__all__ = ["Boundaries", "WholeModelStages", "buffer_specs", "guard", "reduce_tied", "whole_model_stages"]
+
+
+@dataclass(frozen=True, eq=False)
+class WholeModelStages:
+    """The captured model, its stages, and each stage's example inputs (boundary values, then the target)."""
+
+    graph: ModelGraph
+    stages: list[GraphStage]
+    examples: list[list[torch.Tensor]]
+    ties: list[TiedParameter]
+
+
+@dataclass(frozen=True, eq=False)
+class Boundaries:
+    """Per stage (but the last): an example of each output, and which outputs carry a gradient."""
+
+    outputs: Mapping[int, Sequence[torch.Tensor]]
+    requires_grad: Mapping[int, Sequence[bool]]
+
+
+def whole_model_stages(
+    model: nn.Module,
+    names: tuple[str, str],
+    microbatch: tuple[torch.Tensor, torch.Tensor],
+    partition: Sequence[Sequence[str]],
+) -> WholeModelStages:
+    """Capture ``model(**{names[0]: inputs, names[1]: targets})`` once and split it at ``partition``."""
+    inputs = model_inputs(names, *microbatch)
+    graph = trace_model(model, inputs, targets=[names[1]])
+    stages = split_graph(graph, partition, allow_tied=True)
+    values = [inputs[n] for n in stages[0].boundary_names]
+    examples = []
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        for stage in stages:
+            if stage.is_last:
+                values = [*values, inputs[names[1]]]
+            examples.append(values)
+            out = stage(*values)
+            values = [out] if isinstance(out, torch.Tensor) else list(out)
+    return WholeModelStages(graph=graph, stages=stages, examples=examples, ties=tied_parameters(stages))
+
+
+def layer_boundaries(stages: Sequence[StageModule], activations: Sequence[torch.Tensor]) -> Boundaries:
+    """A layer-list model's boundaries: one tensor each, with a gradient."""
+    return Boundaries(
+        outputs={s: [activations[s + 1]] for s in range(len(stages) - 1)},
+        requires_grad={s: [True] for s in range(len(stages) - 1)},
+    )
+
+
+def graph_boundaries(whole: WholeModelStages) -> Boundaries:
+    stages = whole.stages
+    return Boundaries(
+        outputs={s: whole.examples[s + 1][: len(stages[s].output_names)] for s in range(len(stages) - 1)},
+        requires_grad={s: stages[s].output_requires_grad for s in range(len(stages) - 1)},
+    )
+
+
+def buffer_specs(program: Program, boundaries: Boundaries) -> Callable[[int], list[BufferSpec]]:
+    """The receive buffers of a transfer: the boundary stage's outputs (F) or those that carry a gradient (B)."""
+
+    def spec(transfer: int) -> list[BufferSpec]:
+        stage = program.boundary_stage[transfer]
+        rank, step = program.sender[transfer]
+        forward = program.labels[rank][step][0] == SEND_F
+        pairs = zip(boundaries.outputs[stage], boundaries.requires_grad[stage], strict=True)
+        return [(t.shape, t.dtype) for t, needed in pairs if forward or needed]
+
+    return spec
+
+
+def guard(
+    whole: WholeModelStages,
+    mine: Mapping[int, StageExecutable],
+    microbatch: tuple[torch.Tensor, torch.Tensor],
+    names: tuple[str, str],
+) -> NumericsReport:
+    """``check_numerics`` on one micro-batch: this rank's stages as run, the others as written."""
+
+    def runtime_forward(exe: StageExecutable) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]:
+        return lambda values: exe.forward_all(values)[0]
+
+    def eager_forward(stage: GraphStage) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]:
+        def run(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+            with torch.no_grad():
+                out = stage(*values)
+            return [out] if isinstance(out, torch.Tensor) else list(out)
+
+        return run
+
+    forwards = [runtime_forward(mine[s]) if s in mine else eager_forward(stage) for s, stage in enumerate(whole.stages)]
+    report = check_numerics(whole.graph, whole.stages, model_inputs(names, *microbatch), forwards=forwards)
+    structlog.get_logger("octopipe.worker").info(
+        "numerics_checked", stages=sorted(mine), loss=report.pipelined_loss, seconds=round(report.seconds, 3)
+    )
+    return report
+
+
+def reduce_tied(
+    ties: Sequence[TiedParameter],
+    stages: Sequence[nn.Module],
+    runtime: RankRuntime,
+    executables: Mapping[int, StageExecutable],
+    process_of_stage: Callable[[int], int],
+) -> dict[tuple[int, str], torch.Tensor]:
+    """Every tied parameter's summed gradient, for each (stage, name) this rank holds (a collective)."""
+    out: dict[tuple[int, str], torch.Tensor] = {}
+    m = runtime.m
+    for tie in ties:
+        stage0, name0 = tie.uses[0]
+        like = stages[stage0].get_parameter(name0)
+        partials = []
+        for stage, name in sorted(tie.uses, key=lambda use: -use[0]):  # eager autograd meets the later use first
+            if stage in executables:
+                index = executables[stage].graphs.param_names.index(name)
+                grads = runtime.microbatch_grads[(stage, index)]
+                missing = [mb for mb, g in enumerate(grads) if g is None]
+                if missing:
+                    raise RuntimeError(f"stage {stage} computed no gradient of {name!r} for micro-batches {missing}")
+                buffer = torch.stack([g for g in grads if g is not None])
+            else:
+                buffer = torch.empty((m, *like.shape), dtype=like.dtype)
+            dist.broadcast(buffer, src=process_of_stage(stage))
+            partials.append(buffer)
+        total: torch.Tensor | None = None
+        for mb in range(m):
+            grad = partials[0][mb]
+            for partial in partials[1:]:
+                grad = grad + partial[mb]
+            total = grad.clone() if total is None else total + grad
+        assert total is not None
+        for stage, name in tie.uses:
+            if stage in executables:
+                out[(stage, name)] = total
+    return out
+
+
+def tied_indices(ties: Sequence[TiedParameter], executables: Mapping[int, StageExecutable]) -> dict[int, list[int]]:
+    """Stage -> the indices of its tied parameters (their gradients are kept per micro-batch)."""
+    indices: dict[int, list[int]] = {}
+    for tie in ties:
+        for stage, name in tie.uses:
+            if stage in executables:
+                indices.setdefault(stage, []).append(executables[stage].graphs.param_names.index(name))
+    return indices

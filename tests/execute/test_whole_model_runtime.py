@@ -1,0 +1,124 @@
+"""Models as their authors wrote them, pipelined on 2 real gloo ranks.
+
+transformers models built from configs (tests/execute/hf_sources.py) are captured whole on every
+rank and split at the plan's layer boundaries; the reference is the model's own eager
+``model(input_ids=..., labels=...)`` + ``(loss / m).backward()`` over the same micro-batches, then
+AdamW (``reference_run``). Everything is compared bitwise (``torch.equal``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from octopipe.capture import NumericsError, trace_model
+from octopipe.execute.runtime import build_model, reference_run, run_local_many
+from octopipe.execute.runtime.whole_model import guard, whole_model_stages
+from octopipe.plan.v1 import plan_pb2
+from octopipe.transform import StageExecutable, compile_stage
+from octopipe.tune import equal_partition, one_f_one_b, zb_h1
+
+transformers = pytest.importorskip("transformers")
+TIED = "model.embed_tokens.weight"
+
+
+def reference(function: str) -> plan_pb2.ModelReference:
+    return plan_pb2.ModelReference(name=function, source=f"tests.execute.hf_sources:{function}")
+
+
+def partition(model_ref: plan_pb2.ModelReference, ranks: int) -> list[list[str]]:
+    """The layers trace_model discovers (embedding, blocks, norm, lm_head), in ``ranks`` equal stages."""
+    built = build_model(model_ref)
+    assert built.input_names == ("input_ids", "labels")  # a transformers model: whole-model capture by default
+    x, y = built.batch(0)
+    return equal_partition(list(trace_model(built.model, {"input_ids": x, "labels": y}).layers), ranks)
+
+
+def plans(
+    model_ref: plan_pb2.ModelReference, m: int, schedules: list[Callable[..., plan_pb2.Plan]]
+) -> list[plan_pb2.Plan]:
+    names = partition(model_ref, 2)
+    out = []
+    for schedule in schedules:
+        plan = schedule(2, m, layer_names=names)
+        plan.model.CopyFrom(model_ref)
+        out.append(plan)
+    return out
+
+
+def assert_bitwise(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert sorted(actual) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(actual[name], value), f"{name}: max |diff| {(actual[name] - value).abs().max().item()}"
+
+
+@pytest.fixture
+def deterministic() -> Iterator[None]:
+    """The MoE source turns deterministic mode on (its own eager expert gradients need it); restore it after."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(previous)
+
+
+@pytest.mark.slow  # about 35 s on 2 shared cores
+@pytest.mark.usefixtures("deterministic")
+def test_hf_models_on_two_ranks_equal_their_own_training_bitwise() -> None:
+    """One launch: tied Llama under 1F1B and ZB-H1 (split backward), Qwen3-MoE (aux loss) under 1F1B.
+
+    Losses, every first-step gradient and every weight after 3 AdamW steps equal the model's own
+    eager training; both copies of the tied embedding get the shared tensor's gradient and stay equal.
+    """
+    llama, moe, m = reference("llama"), reference("qwen3_moe"), 2
+    runs = run_local_many(
+        [*plans(llama, m, [one_f_one_b, zb_h1]), *plans(moe, m, [one_f_one_b])],
+        steps=3,
+        keep_grads=True,
+        keep_params=True,
+        timeout_s=120,
+    )
+    llama_ref = reference_run(llama, num_microbatches=m, steps=3)
+    for run in runs[:2]:
+        assert run.losses == llama_ref.losses
+        # the guard ran on both ranks before the first step: the pipelined loss is the model's own
+        assert sorted(run.numerics) == [0, 1]
+        assert all(n["pipelined_loss"] == n["reference_loss"] for n in run.numerics.values())
+        assert_bitwise(llama_ref.grads, run.grads)
+        assert_bitwise(llama_ref.params, run.params)
+        # rank 0 (embedding) and rank 1 (lm_head) each hold a copy of the tied weight
+        assert sorted(run.tied_grads) == [0, 1]
+        for rank in (0, 1):
+            assert torch.equal(run.tied_grads[rank][TIED], llama_ref.grads[TIED])
+            assert torch.equal(run.tied_params[rank][TIED], llama_ref.params[TIED])
+        assert torch.equal(run.tied_params[0][TIED], run.tied_params[1][TIED])
+    # Qwen3-MoE, output_router_logits=True: stage 0 (embedding, layers 0-1) sends its hidden states and both
+    # layers' router logits (all with gradients) to the last stage, where the aux loss joins the loss
+    built = build_model(moe)
+    assert built.input_names is not None
+    x, y = built.batch(0)
+    whole = whole_model_stages(built.model, built.input_names, (x[:2], y[:2]), partition(moe, 2))
+    assert len(whole.stages[0].output_names) == 3 and all(whole.stages[0].output_requires_grad)
+    moe_ref = reference_run(moe, num_microbatches=m, steps=3)
+    run = runs[2]
+    assert run.losses == moe_ref.losses
+    assert_bitwise(moe_ref.grads, run.grads)
+    assert_bitwise(moe_ref.params, run.params)
+    assert run.tied_grads == {}
+
+
+def test_launch_guard_names_a_wrong_stage() -> None:
+    """A stage executable that computes something else (perturbed weights) is refused before training."""
+    built = build_model(reference("llama"))
+    assert built.input_names is not None
+    microbatch = tuple(t[:2] for t in built.batch(0))
+    assert len(microbatch) == 2
+    names = partition(reference("llama"), 2)
+    whole = whole_model_stages(built.model, built.input_names, (microbatch[0], microbatch[1]), names)
+    right = {s: compile_stage(stage, whole.examples[s], stage_index=s) for s, stage in enumerate(whole.stages)}
+    report = guard(whole, right, (microbatch[0], microbatch[1]), built.input_names)
+    assert report.pipelined_loss == report.reference_loss
+    exe = right[1]
+    wrong = StageExecutable(exe.graphs, exe.split, [p + 1e-3 for p in exe.params], exe.buffers)
+    with pytest.raises(NumericsError, match=r"stage 1 \(layers model.layers.2 ... lm_head\) computes output"):
+        guard(whole, {0: right[0], 1: wrong}, (microbatch[0], microbatch[1]), built.input_names)
