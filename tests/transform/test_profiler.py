@@ -63,3 +63,16 @@ def test_storage_bytes_counts_storages_once() -> None:
     assert storage_bytes([base, torch.ones(4)], exclude=[base]) == 16
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         ProfilerConfig(repeats=0)
+
+
+def test_scratch_is_what_an_action_frees_before_it_ends(profile: profile_pb2.Profile) -> None:
+    """The allocator's peak above what an action leaves: the head's logits and softmax are freed inside the loss."""
+    head = profile.layers[-1]
+    logits = 2 * 32 * 512 * 4  # batch x sequence x vocab, float32
+    # the forward ends in a scalar loss: a logits-sized intermediate comes and goes inside it (less the few
+    # scalar bytes the forward allocates after it and keeps)
+    assert head.forward_scratch_bytes >= logits - 64
+    assert head.full_backward_scratch_bytes >= logits  # the gradient of the logits is made and freed
+    for cost in profile.layers:
+        # the weight-gradient action returns the gradients: at least their bytes pass through the allocator
+        assert cost.backward_weight_scratch_bytes >= cost.parameter_bytes

@@ -37,7 +37,14 @@ from octopipe.ir.errors import (
     VerificationError,
 )
 from octopipe.simulate.collectives import GroupLinks, all_gather_us, all_reduce_us, all_to_all_us, reduce_scatter_us
-from octopipe.simulate.costs import CostModel, Link, OverlapModel, StageCost, durations_from_timelines
+from octopipe.simulate.costs import (
+    CostModel,
+    Link,
+    OverlapModel,
+    StageCost,
+    durations_from_timelines,
+    stage_scratch,
+)
 from octopipe.simulate.estimate import Estimate, PathStep, RankEstimate
 from octopipe.simulate.profiles import uniform_profile
 from octopipe.simulate.simulator import ActionTiming, Simulation, SimulationConfig, simulate, verify_plan
@@ -90,6 +97,7 @@ __all__ = [
     "reduce_scatter_us",
     "save_plan",
     "simulate",
+    "stage_scratch",
     "to_chrome_trace",
     "uniform_profile",
     "validate_plan",

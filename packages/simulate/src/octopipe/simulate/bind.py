@@ -74,6 +74,8 @@ class Bound:
     frees: list[list[int]]
     unsharded: list[list[int]]
     released: list[list[int]]
+    #: per step: bytes a compute action allocates and frees again before it ends (held start to end)
+    scratch: list[list[int]]
     transfer_us: list[float]
     transfer_bytes: list[int]
     static_bytes: list[int]
@@ -104,18 +106,26 @@ def bind(program: Program, costs: CostModel) -> Bound:
         W: [saved[s] - freed_by_input[s] for s in range(num_stages)],
         B: saved,
     }
+    scratch_by_kind: dict[int, list[int]] = {
+        F: [stage.forward_scratch_bytes for stage in costs.stages],
+        I: [stage.backward_input_scratch_bytes for stage in costs.stages],
+        W: [stage.backward_weight_scratch_bytes for stage in costs.stages],
+        B: [stage.full_backward_scratch_bytes for stage in costs.stages],
+    }
     overlap_cache: dict[tuple[int, int, int], float] = {}
-    durations, allocs, frees, unsharded = [], [], [], []
+    durations, allocs, frees, unsharded, scratch = [], [], [], [], []
     for row in program.labels:
         d_row = [0.0] * len(row)
         a_row = [0] * len(row)
         f_row = [0] * len(row)
         u_row = [0] * len(row)
+        s_row = [0] * len(row)
         for step, label in enumerate(row):
             kind = label[0]
             if kind <= B:
                 stage = label[1]
                 d_row[step] = table[stage, kind]
+                s_row[step] = scratch_by_kind[kind][stage]
                 if kind == F:
                     a_row[step] = saved[stage]
                 else:
@@ -129,6 +139,7 @@ def bind(program: Program, costs: CostModel) -> Bound:
                 d_row[step] = overlap_cache[key]
                 a_row[step] = saved[label[1]]
                 f_row[step] = frees_by_kind[label[3]][label[4]]
+                s_row[step] = scratch_by_kind[F][label[1]] + scratch_by_kind[label[3]][label[4]]
             elif kind in _COLLECTIVES:
                 d_row[step] = table[label[1], kind]
                 if kind == UNSHARD:
@@ -139,6 +150,7 @@ def bind(program: Program, costs: CostModel) -> Bound:
         allocs.append(a_row)
         frees.append(f_row)
         unsharded.append(u_row)
+        scratch.append(s_row)
     outputs = [stage.output_bytes for stage in costs.stages]
     transfer_bytes = [outputs[s] for s in program.boundary_stage]
     link_cache: dict[tuple[int, int, int], float] = {}
@@ -165,6 +177,7 @@ def bind(program: Program, costs: CostModel) -> Bound:
         frees=frees,
         unsharded=unsharded,
         released=released,
+        scratch=scratch,
         transfer_us=transfer_us,
         transfer_bytes=transfer_bytes,
         static_bytes=static,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from octopipe.ir.actions import ActionKind
@@ -54,6 +54,9 @@ class StageCost:
     again in one I or B); timed only in plans whose mesh has ep > 1.
     ``expert_parameter_bytes``: the part of ``parameter_bytes`` in MoE experts,
     which a mesh with ep > 1 splits over the expert-parallel group.
+    ``*_scratch_bytes``: what an action of the kind allocates and frees again
+    before it ends (intermediates), held for the action's duration; the most
+    of the stage's layers (they run one after another).
     """
 
     forward_us: float = 0.0
@@ -71,6 +74,10 @@ class StageCost:
     reduce_grad_us: float = 0.0
     all_to_all_bytes: int = 0
     expert_parameter_bytes: int = 0
+    forward_scratch_bytes: int = 0
+    backward_input_scratch_bytes: int = 0
+    backward_weight_scratch_bytes: int = 0
+    full_backward_scratch_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("forward_us", "backward_input_us", "backward_weight_us", "unshard_us", "reduce_grad_us"):
@@ -92,6 +99,10 @@ class StageCost:
             "output_bytes",
             "all_to_all_bytes",
             "expert_parameter_bytes",
+            "forward_scratch_bytes",
+            "backward_input_scratch_bytes",
+            "backward_weight_scratch_bytes",
+            "full_backward_scratch_bytes",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"StageCost.{name} must be >= 0, got {getattr(self, name)}")
@@ -282,6 +293,34 @@ class CostModel:
         )
 
 
+def stage_scratch(costs: Sequence[profile_pb2.LayerCost]) -> dict[str, int]:
+    """A stage's scratch per action kind from its layers' (``StageCost.*_scratch_bytes``).
+
+    The layers run one after another inside an action, so F's and I's scratch is
+    the most of any layer's. A stage's W (and full backward) graph returns every
+    layer's parameter gradients at once (the runtime adds them into the
+    accumulated gradients afterwards): its scratch is all of them plus the most
+    any layer needs beyond its own gradients.
+    """
+    if not costs:
+        return {}
+
+    def with_gradients(field: str) -> int:
+        grads = sum(c.gradient_bytes for c in costs)
+        return grads + max(max(0, int(getattr(c, field)) - c.gradient_bytes) for c in costs)
+
+    return {
+        "forward_scratch_bytes": max(c.forward_scratch_bytes for c in costs),
+        "backward_input_scratch_bytes": max(c.backward_input_scratch_bytes for c in costs),
+        "backward_weight_scratch_bytes": with_gradients("backward_weight_scratch_bytes")
+        if any(c.backward_weight_scratch_bytes for c in costs)
+        else 0,
+        "full_backward_scratch_bytes": with_gradients("full_backward_scratch_bytes")
+        if any(c.full_backward_scratch_bytes for c in costs)
+        else 0,
+    }
+
+
 def _stage_cost(
     index: int,
     names: tuple[str, ...],
@@ -325,6 +364,7 @@ def _stage_cost(
             reduce_grad_us=0.0 if bandwidth is None else grads / bandwidth * 1e6,
             all_to_all_bytes=sum(c.all_to_all_bytes for c in costs),
             expert_parameter_bytes=sum(c.expert_parameter_bytes for c in costs),
+            **stage_scratch(costs),
         )
     except ValueError as exc:
         raise ValueError(f"stage {index} (layers {list(names)}): {exc}") from None

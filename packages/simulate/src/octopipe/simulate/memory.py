@@ -4,7 +4,8 @@ Accounting. Static bytes (parameters, gradients, optimizer state of the
 rank's stages) are held all step. F allocates its saved activations when it
 starts; I frees its share when it ends and W the rest; B frees all. UNSHARD
 holds the stage's unsharded parameters from its start until RESHARD (or the
-end of the step). A send holds its boundary tensor from when it is posted until
+end of the step). A compute action's scratch (intermediates it frees before
+it returns) is held from its start to its end. A send holds its boundary tensor from when it is posted until
 the transfer ends; a receive holds its buffer from when it is posted until the
 step that consumes it ends. At equal times frees come before allocations.
 """
@@ -59,6 +60,11 @@ def memory_events(program: Program, timing: Timing, bound: Bound, rank: int) -> 
         if size:
             time = ends[step]
             deltas[time] = get(time, 0) - size
+    for step, size in enumerate(bound.scratch[rank]):
+        if size:
+            start, end = starts[step], ends[step]
+            deltas[start] = get(start, 0) + size
+            deltas[end] = get(end, 0) - size
     codes, sizes, consumer = program.codes[rank], bound.transfer_bytes, program.consumer
     for step, transfer in enumerate(program.transfer_of[rank]):
         if transfer < 0 or not sizes[transfer]:
@@ -84,7 +90,9 @@ def _allocating_step(program: Program, timing: Timing, bound: Bound, rank: int, 
                 )
                 if posted == time:
                     return step
-        elif (bound.allocs[rank][step] or bound.unsharded[rank][step] > 0) and starts[step] == time:
+        elif (bound.allocs[rank][step] or bound.unsharded[rank][step] > 0 or bound.scratch[rank][step]) and starts[
+            step
+        ] == time:
             return step
     return 0
 
@@ -106,6 +114,7 @@ def memory_use(program: Program, timing: Timing, bound: Bound, rank: int, cap_by
     simple = (
         not any(bound.unsharded[rank])
         and not any(bound.released[rank])
+        and not any(bound.scratch[rank])
         and not any(transfer >= 0 and bound.transfer_bytes[transfer] for transfer in program.transfer_of[rank])
     )
     if simple and (cap_bytes is None or static + peak_activation <= cap_bytes):

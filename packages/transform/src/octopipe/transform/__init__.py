@@ -10,6 +10,7 @@ OVERLAP_F_B, cost models); and the profiler.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from octopipe.transform.allocator import AllocatorPeak
 from octopipe.transform.bw_split import BWSplit, split_backward
 from octopipe.transform.costs import (
     CostModel,
@@ -34,6 +35,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 __all__ = [
     "NOT_HANDLED",
+    "AllocatorPeak",
     "BWSplit",
     "CommOverlap",
     "CostModel",

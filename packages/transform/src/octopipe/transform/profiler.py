@@ -21,6 +21,7 @@ from torch import nn
 from octopipe.capture import PipelineSpec, StageModule, capture_stage, pipeline_spec
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
+from octopipe.transform.allocator import AllocatorPeak
 from octopipe.transform.executable import StageExecutable
 
 __all__ = ["ProfilerConfig", "format_profile", "profile_layers", "storage_bytes"]
@@ -61,6 +62,13 @@ def _median_us(run: Callable[[], object], prepare: Callable[[], object], repeats
         if index >= warmup:
             samples.append(elapsed / 1000.0)
     return statistics.median(samples)
+
+
+def _scratch(run: Callable[[], object]) -> int:
+    """The allocator's peak during ``run`` above what ``run`` leaves allocated (its freed intermediates)."""
+    with AllocatorPeak() as meter:
+        run()
+    return max(0, meter.peak_bytes - max(0, meter.end_bytes))
 
 
 def _spec_of(model: nn.Module, spec: PipelineSpec | None) -> PipelineSpec:
@@ -152,6 +160,13 @@ def _layer_cost(exe: StageExecutable, inputs: list[torch.Tensor], config: Profil
     backward_input()
     held = storage_bytes(state["wctx"].tensors or [], exclude=static)  # type: ignore[attr-defined]
     backward_weight()
+    # scratch: each action once more under the allocator meter (untimed: the profiler slows what it watches)
+    cost.forward_scratch_bytes = _scratch(forward)
+    cost.backward_input_scratch_bytes = _scratch(backward_input)
+    cost.backward_weight_scratch_bytes = _scratch(backward_weight)
+    forward()
+    cost.full_backward_scratch_bytes = _scratch(full)
+    state.clear()
     cost.activation_saved_bytes = saved
     cost.activation_freed_by_backward_weight_bytes = held
     cost.activation_freed_by_backward_input_bytes = max(0, saved - held)

@@ -17,7 +17,16 @@ from dataclasses import dataclass, field
 from octopipe.ir import Action, add_p2p_actions, rank_actions, validate_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import CostModel, Estimate, Link, OverlapModel, SimulationConfig, StageCost, simulate
+from octopipe.simulate import (
+    CostModel,
+    Estimate,
+    Link,
+    OverlapModel,
+    SimulationConfig,
+    StageCost,
+    simulate,
+    stage_scratch,
+)
 from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
 from octopipe.tune.schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_h2
 from octopipe.tune.vshape import dualpipe_v, v_half, v_min, v_placement, zb_v
@@ -122,6 +131,7 @@ class Layers:
             output_bytes=sum(t.size_bytes for t in costs[-1].output_tensors) if costs else 0,
             all_to_all_bytes=sum(c.all_to_all_bytes for c in costs),
             expert_parameter_bytes=sum(c.expert_parameter_bytes for c in costs),
+            **stage_scratch(costs),
         )
 
 

@@ -1,0 +1,54 @@
+"""Scratch memory: what an action allocates and frees before it ends is held for its duration (issue 15)."""
+
+from __future__ import annotations
+
+from octopipe.profile.v1 import profile_pb2
+from octopipe.simulate import CostModel, Link, StageCost, simulate
+from octopipe.tune import gpipe, one_f_one_b
+
+
+def test_scratch_is_held_during_its_action_and_adds_to_the_peak() -> None:
+    plan = gpipe(2, 2)
+    stage = StageCost(forward_us=1.0, backward_input_us=1.0, backward_weight_us=1.0, activation_bytes=100)
+    base = simulate(plan, CostModel.uniform(num_stages=2, stage=stage, link=Link())).estimate
+    # GPipe: both forwards' activations (200) are held when the second forward runs
+    assert [r.peak_memory_bytes for r in base.ranks] == [200, 200]
+    scratch = StageCost(
+        forward_us=1.0, backward_input_us=1.0, backward_weight_us=1.0, activation_bytes=100, forward_scratch_bytes=1000
+    )
+    got = simulate(plan, CostModel.uniform(num_stages=2, stage=scratch, link=Link())).estimate
+    # during the second forward: 100 held + its own 100 + 1000 scratch; times do not change
+    assert [r.peak_memory_bytes for r in got.ranks] == [1200, 1200]
+    assert [r.peak_activation_bytes for r in got.ranks] == [200, 200]
+    assert got.step_time_us == base.step_time_us
+    # a backward's scratch is held while its micro-batch's activations still are (1F1B, one in flight at the end)
+    backward = StageCost(forward_us=1.0, full_backward_us=1.0, activation_bytes=100, full_backward_scratch_bytes=50)
+    one = simulate(one_f_one_b(2, 1), CostModel.uniform(num_stages=2, stage=backward, link=Link())).estimate
+    assert [r.peak_memory_bytes for r in one.ranks] == [150, 150]
+
+
+def test_scratch_comes_from_the_profile_as_the_most_of_a_stage_layers() -> None:
+    layers = [
+        profile_pb2.LayerCost(layer_name=f"l{i}", forward_duration_us=1.0, forward_scratch_bytes=scratch)
+        for i, scratch in enumerate([10, 70, 30, 5])
+    ]
+    profile = profile_pb2.Profile(layers=layers)
+    plan = gpipe(2, 1, layer_names=[["l0", "l1"], ["l2", "l3"]])
+    costs = CostModel.from_profile(plan, profile, default_link=Link())
+    assert [s.forward_scratch_bytes for s in costs.stages] == [70, 30]
+
+
+def test_a_stage_weight_gradient_scratch_holds_every_layer_gradient_at_once() -> None:
+    """W returns all of a stage's parameter gradients together (then they are added in): all of them plus the
+    most any layer needs beyond its own."""
+    layers = [
+        profile_pb2.LayerCost(
+            layer_name=f"l{i}", forward_duration_us=1.0, gradient_bytes=grads, backward_weight_scratch_bytes=scratch
+        )
+        for i, (grads, scratch) in enumerate([(100, 130), (300, 310), (50, 90)])
+    ]
+    profile = profile_pb2.Profile(layers=layers)
+    plan = gpipe(1, 1, layer_names=[["l0", "l1", "l2"]])
+    (stage,) = CostModel.from_profile(plan, profile, default_link=Link()).stages
+    assert stage.backward_weight_scratch_bytes == 100 + 300 + 50 + 40
+    assert stage.full_backward_scratch_bytes == 0  # not measured
