@@ -40,6 +40,12 @@ def add_parser(sub: Any) -> None:
         "--cpus", type=_cpu_list, default=(), help="cores to pin ranks to, e.g. 0,1 or 0-3 (default: every online CPU)"
     )
     parser.add_argument("--strict-pinning", action="store_true", help="refuse to run ranks that would share a core")
+    parser.add_argument(
+        "--skip-numerics-check",
+        action="store_true",
+        help="whole-model capture: do not check before the first step that the pipelined forward reproduces "
+        "the model's own loss on one micro-batch (checked by default; a mismatch refuses to train, naming the stage)",
+    )
     parser.add_argument("--json", action="store_true", help="print losses and step times as JSON instead of a table")
     parser.add_argument(
         "--torchrun", action="store_true", help="join an external launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
@@ -68,6 +74,7 @@ def _join_torchrun(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
             plans=(plan.SerializeToString(),), rank=rank, world_size=world, store_host=host, store_port=port,
             store_is_master=rank == 0 and not agent_store, result_dir=str(args.out), steps=args.steps,
             seed=args.seed, timeout_s=args.timeout, pin_cores=not args.no_pin,
+            numerics_check=not args.skip_numerics_check,
         )
     )  # fmt: skip
     sys.stdout.write(f"rank {rank}: results in {args.out / f'rank{rank}.pt'}\n")
@@ -107,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
             pin_cores=not args.no_pin,
             cpus=args.cpus,
             strict_pinning=args.strict_pinning,
+            numerics_check=not args.skip_numerics_check,
         )
     times = measured_step_times_us(result)
     if args.timeline:
