@@ -1,21 +1,32 @@
-"""Simulator fidelity: profile -> simulate -> run, and how far the prediction is from the measurement.
+"""Simulator fidelity, the source of truth: predicted vs measured step time and peak memory, per plan.
 
-For each workload (shared/benchmarks.md sizes, 2 ranks, m = 8, equal layer
-counts per stage) and each schedule: profile the layers on this machine (one
-pinned thread) and the gloo link, simulate the plan, run it on 2 pinned gloo
-ranks for ``--steps`` steps (the first is warm-up), and compare:
+For each workload (shared/benchmarks.md standard sizes, 2 ranks, m = 8) and
+each plan -- GPipe, 1F1B, interleaved 1F1B (2 chunks), ZB-H1, ZB-V, DualPipeV
+with equal layer counts, and the tuner's plan -- it
 
-- step time: simulated vs the median measured step;
-- peak activation memory per rank: simulated vs the most bytes the runtime held
-  (activations, gradients in flight, messages; parameters, gradients and
-  optimizer state are exact on both sides and left out);
-- rank order of the schedules by step time (Kendall tau);
-- runtime overhead: measured step time / the simulator's step time when fed the
-  measured per-action durations (what the runtime adds around the compute).
+1. profiles the layers (one thread) and measures the gloo link (ranks pinned to
+   two distinct cores, many round trips, medians);
+2. predicts each plan's step with the simulator (``pipeline.compare``'s costs:
+   the profile, the link);
+3. runs every plan in ONE launch of 2 ranks pinned to 2 distinct cores, the
+   plans interleaved (A B C ... A B C ...) for ``--rounds`` rounds of
+   ``--steps`` steps each (the first step of each run is warm-up), so drift in
+   the machine touches every plan alike;
+4. measures peak memory per rank with the allocator (``runtime.memory``: one
+   extra pipeline step per plan under the profiler's memory events, in a
+   separate launch so it never slows a timed step);
+5. prints per cell: predicted, measured median [p10, p90], replayed (the
+   simulator fed the measured per-action durations: what is left is runtime
+   overhead), step-time error, memory predicted / allocator-measured and its
+   error; per workload Kendall tau over all plan pairs and over the pairs whose
+   predictions differ by more than the measured noise; overall MAPE.
 
-The measurement's own run-to-run spread is the (p90 - p10) / median of its steps.
+It refuses to start on a busy machine (1-minute load above ``--max-load``)
+unless ``--force``, and fails if the ranks did not run on two distinct cores.
+The JSON records the load before and after and each run's rank cores.
 
-    .venv/bin/python bench/simulator_fidelity.py [--workloads llama-8 jamba-8 nemotronh-16] [--steps 4]
+    .venv/bin/python bench/simulator_fidelity.py [--workloads llama-8 jamba-8 nemotronh-16 moe-ep-4]
+        [--rounds 5] [--steps 2] [--tiny] [--force]
 """
 
 from __future__ import annotations
@@ -23,109 +34,184 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+
+from quiet import DEFAULT_MAX_LOAD, Environment, require_quiet
+
 from octopipe.execute.linkprobe import measure_link
-from octopipe.execute.pipeline import compare, layer_names, profile_reference
+from octopipe.execute.pipeline import compare, layer_names, profile_reference, tune_reference
 from octopipe.execute.runtime import run_local_many, workload_reference
 from octopipe.plan.v1 import plan_pb2
-from octopipe.tune import equal_partition, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
+from octopipe.profile.v1 import profile_pb2
+from octopipe.tune import TuneConfig, dualpipe_v, equal_partition, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_v
 
-M = 8
+M, P = 8, 2
+WORKLOADS = ["llama-8", "jamba-8", "nemotronh-16", "moe-ep-4"]
 
 
-def plans_for(reference: plan_pb2.ModelReference, names: list[str]) -> list[plan_pb2.Plan]:
+def plans_for(reference: plan_pb2.ModelReference, profile: profile_pb2.Profile) -> list[plan_pb2.Plan]:
+    names = layer_names(reference)
+    two, four = equal_partition(names, P), equal_partition(names, 2 * P)
     plans = [
-        gpipe(2, M, layer_names=equal_partition(names, 2)),
-        one_f_one_b(2, M, layer_names=equal_partition(names, 2)),
-        zb_h1(2, M, layer_names=equal_partition(names, 2)),
-        interleaved_1f1b(2, 2, M, layer_names=equal_partition(names, 4)),
+        gpipe(P, M, layer_names=two),
+        one_f_one_b(P, M, layer_names=two),
+        interleaved_1f1b(P, 2, M, layer_names=four),
+        zb_h1(P, M, layer_names=two),
+        zb_v(P, M, layer_names=four),
+        dualpipe_v(P, M, layer_names=four),
     ]
     for plan in plans:
         plan.model.CopyFrom(reference)
-    return plans
+    tuned = tune_reference(profile, TuneConfig(num_ranks=P, num_microbatches=M, time_budget_s=60.0)).plan
+    tuned.labels["schedule"] = f"tuned {tuned.labels['schedule']}/{tuned.labels.get('placement', '')}"
+    return [*plans, tuned]
 
 
-def kendall_tau(a: list[float], b: list[float]) -> float:
-    pairs = list(itertools.combinations(range(len(a)), 2))
+def kendall_tau(a: list[float], b: list[float], pairs: list[tuple[int, int]] | None = None) -> float | None:
+    """Rank agreement of ``a`` and ``b`` over ``pairs`` (default all): +1 same order, -1 reversed."""
+    pairs = list(itertools.combinations(range(len(a)), 2)) if pairs is None else pairs
+    if not pairs:
+        return None
     score = sum(
         1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0 for i, j in pairs
     )
     return score / len(pairs)
 
 
-def bench_workload(name: str, steps: int, link: Any, *, tiny: bool = False) -> dict[str, Any]:
-    reference = workload_reference(name, tiny=True, sequence=16) if tiny else workload_reference(name)
-    profile = profile_reference(reference, num_microbatches=M, num_ranks=2, link=link)
-    plans = plans_for(reference, layer_names(reference))
-    results = run_local_many(plans, steps=steps, timeout_s=600)
-    rows = []
-    for plan, result in zip(plans, results, strict=True):
-        got = compare(plan, profile, [result])
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environment) -> dict[str, Any]:
+    reference = workload_reference(name, tiny=True, sequence=16) if args.tiny else workload_reference(name)
+    profile = profile_reference(reference, num_microbatches=M, num_ranks=P, link=link)
+    plans = plans_for(reference, profile)
+    timeout = 120.0 if args.tiny else 900.0
+    memory_runs = run_local_many(plans, steps=1, timeout_s=timeout, measure_memory=True)
+    env.record(memory_runs[0].cores)
+    runs = run_local_many(plans * args.rounds, steps=args.steps, timeout_s=timeout)
+    env.record(runs[0].cores)
+    rows: list[dict[str, Any]] = []
+    for index, plan in enumerate(plans):
+        mine = runs[index :: len(plans)]
+        got = compare(plan, profile, mine)
+        memory = memory_runs[index].memory
+        measured_memory = [int(memory[r]["peak_bytes"]) for r in range(P)]
         memory_errors = [
-            abs(p - h) / h
-            for p, h in zip(got.predicted_activation_bytes, got.measured_activation_bytes, strict=True)
-            if h > 0
+            abs(p - m) / m for p, m in zip(got.predicted_memory_bytes, measured_memory, strict=True) if m > 0
         ]
+        timed = list(got.timed_steps_us)
         rows.append(
             {
-                "schedule": plan.labels["schedule"],
-                "simulated_ms": got.predicted_step_us / 1e3,
+                "plan": plan.labels["schedule"],
+                "predicted_ms": got.predicted_step_us / 1e3,
                 "measured_ms": got.measured_step_us / 1e3,
-                "measured_spread": got.spread,
-                "step_time_error": got.step_time_error,
-                "simulated_peak_activation_mib": [b / 2**20 for b in got.predicted_activation_bytes],
-                "measured_peak_held_mib": [b / 2**20 for b in got.measured_activation_bytes],
-                "memory_error": statistics.fmean(memory_errors),
+                "measured_p10_ms": percentile(timed, 0.1) / 1e3,
+                "measured_p90_ms": percentile(timed, 0.9) / 1e3,
+                "samples": len(timed),
+                "spread": got.spread,
                 "replay_ms": got.replay_step_us / 1e3,
-                "runtime_overhead": got.measured_step_us / got.replay_step_us,
+                "step_time_error": got.step_time_error,
+                "signed_error": (got.predicted_step_us - got.measured_step_us) / got.measured_step_us,
+                "predicted_peak_memory_mib": [b / 2**20 for b in got.predicted_memory_bytes],
+                "allocator_peak_memory_mib": [b / 2**20 for b in measured_memory],
+                "allocator_detail": {str(r): memory[r] for r in range(P)},
+                "memory_error": max(memory_errors) if memory_errors else None,
+                "measured_over_predicted_action_time": got.slowdown,
             }
         )
-    tau = kendall_tau([float(r["simulated_ms"]) for r in rows], [float(r["measured_ms"]) for r in rows])  # type: ignore[arg-type]
-    return {"workload": name, "rows": rows, "kendall_tau": tau}
+    predicted = [float(r["predicted_ms"]) for r in rows]
+    measured = [float(r["measured_ms"]) for r in rows]
+    noise = statistics.median(float(r["spread"]) for r in rows)
+    distinct = [
+        (i, j)
+        for i, j in itertools.combinations(range(len(rows)), 2)
+        if abs(predicted[i] - predicted[j]) > noise * min(predicted[i], predicted[j])
+    ]
+    return {
+        "workload": name,
+        "rows": rows,
+        "noise": noise,
+        "kendall_tau_all": kendall_tau(predicted, measured),
+        "kendall_tau_distinct": kendall_tau(predicted, measured, distinct),
+        "distinct_pairs": len(distinct),
+        "pairs": len(rows) * (len(rows) - 1) // 2,
+    }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", default=["llama-8", "jamba-8", "nemotronh-16"])
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--tiny", action="store_true", help="unit-test sizes (a smoke run)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "simulator_fidelity.json")
-    args = parser.parse_args()
-    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-    torch.set_num_threads(1)
-    link, _ = measure_link()
-    results = [bench_workload(w, args.steps, link, tiny=args.tiny) for w in args.workloads]
+def print_table(link: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
     print(
-        f"simulator fidelity: 2 gloo ranks, m={M}, link {link.latency_us:.0f} us + {link.bandwidth_bytes_per_second / 1e9:.2f} GB/s"
+        f"\nsimulator fidelity: 2 gloo ranks on 2 distinct cores, m={M}; link {link.latency_us:.0f} us + "
+        f"{link.bandwidth_bytes_per_second / 1e9:.2f} GB/s"
     )
-    print(
-        f"{'workload':<14} {'schedule':<20} {'sim ms':>8} {'meas ms':>8} {'spread':>7} {'err':>6} {'act err':>8} {'overhead':>9}"
-    )
+    header = f"{'workload':<13} {'plan':<26} {'pred ms':>8} {'meas ms [p10, p90]':>24} {'replay':>7} {'err':>7}"
+    print(header + f" {'mem pred/alloc MiB (max rank)':>30} {'mem err':>8}")
     step_errors, memory_errors = [], []
     for result in results:
         for r in result["rows"]:
             step_errors.append(r["step_time_error"])
-            memory_errors.append(r["memory_error"])
+            if r["memory_error"] is not None:
+                memory_errors.append(r["memory_error"])
+            measured = f"{r['measured_ms']:.0f} [{r['measured_p10_ms']:.0f}, {r['measured_p90_ms']:.0f}]"
+            memory = f"{max(r['predicted_peak_memory_mib']):.1f} / {max(r['allocator_peak_memory_mib']):.1f}"
             print(
-                f"{result['workload']:<14} {r['schedule']:<20} {r['simulated_ms']:>8.0f} {r['measured_ms']:>8.0f} "
-                f"{r['measured_spread']:>7.1%} {r['step_time_error']:>6.1%} {r['memory_error']:>8.1%} {r['runtime_overhead']:>9.3f}"
+                f"{result['workload']:<13} {r['plan']:<26} {r['predicted_ms']:>8.0f} {measured:>24} "
+                f"{r['replay_ms']:>7.0f} {r['signed_error']:>+7.1%} {memory:>30} {r['memory_error']:>8.1%}"
             )
-        print(f"{result['workload']:<14} Kendall tau (schedule order) {result['kendall_tau']:.2f}")
+        tau_all, tau_distinct = result["kendall_tau_all"], result["kendall_tau_distinct"]
+        distinct = "n/a" if tau_distinct is None else f"{tau_distinct:.2f}"
+        print(
+            f"{result['workload']:<13} Kendall tau {tau_all:.2f} over all {result['pairs']} pairs, {distinct} over "
+            f"the {result['distinct_pairs']} whose predictions differ by more than the noise ({result['noise']:.1%})"
+        )
     summary = {
         "step_time_mape": statistics.fmean(step_errors),
-        "activation_memory_mape": statistics.fmean(memory_errors),
+        "peak_memory_mape": statistics.fmean(memory_errors) if memory_errors else None,
+        "cells": len(step_errors),
     }
-    print(
-        f"MAPE step time {summary['step_time_mape']:.1%}, peak activation memory {summary['activation_memory_mape']:.1%}"
-    )
+    memory = "n/a" if summary["peak_memory_mape"] is None else f"{summary['peak_memory_mape']:.1%}"
+    print(f"MAPE over {len(step_errors)} cells: step time {summary['step_time_mape']:.1%}, peak memory {memory}")
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", default=WORKLOADS)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--steps", type=int, default=2, help="steps per plan and round; the first is warm-up")
+    parser.add_argument("--tiny", action="store_true", help="unit-test sizes (a smoke run, not a result)")
+    parser.add_argument("--max-load", type=float, default=DEFAULT_MAX_LOAD)
+    parser.add_argument("--force", action="store_true", help="run on a busy machine (recorded in the JSON)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "simulator_fidelity.json")
+    args = parser.parse_args()
+    if args.rounds < 1 or args.steps < 2:
+        parser.error("give --rounds >= 1 and --steps >= 2 (the first step of each run is warm-up)")
+    require_quiet(args.max_load, force=args.force)
+    env = Environment(forced=args.force)
+    torch.set_num_threads(1)
+    link, _ = measure_link()
+    results = [bench_workload(w, args, link, env) for w in args.workloads]
+    summary = print_table(link, results)
+    record = {
+        "summary": summary,
+        "sizes": "tiny" if args.tiny else "standard",
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "link": {"latency_us": link.latency_us, "bandwidth_bytes_per_second": link.bandwidth_bytes_per_second},
+        "environment": env.finish(),
+        "workloads": results,
+    }
+    print(f"load average before {record['environment']['load_average_before']}, after {env.load_after}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"summary": summary, "workloads": results}, indent=2) + "\n")
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"written: {args.out}")
 
 

@@ -57,6 +57,8 @@ class DemoConfig:
     steps: int = 3
     rounds: int = 2
     tune_budget_s: float = 10.0
+    #: the simulator's step-time error: a plan must beat 1F1B (and any simpler plan) by more to be chosen
+    min_gain: float = 0.05
     profile_repeats: int = 3
     timeout_s: float = 300.0
     pin_cores: bool = True
@@ -89,6 +91,12 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps per plan and round; the first is warm-up")
     parser.add_argument("--rounds", type=int, default=2, help="times the tuned plan and 1F1B alternate (default 2)")
     parser.add_argument("--tune-budget", type=float, default=10.0, help="seconds the tuner may search (default 10)")
+    parser.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.05,
+        help="the predicted gain a plan needs over a simpler one (default 0.05, the simulator's error)",
+    )
     parser.add_argument("--no-pin", action="store_true", help="do not pin each rank to its own core")
     parser.add_argument("--out", type=Path, default=Path("out/demo"), help="where to write plans, trace, PNG")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON (no tables, no progress)")
@@ -104,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         rounds=args.rounds,
         tune_budget_s=args.tune_budget,
+        min_gain=args.min_gain,
         pin_cores=not args.no_pin,
         out=args.out,
     )
@@ -192,7 +201,10 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
             step.update(f"tune: {evaluations} simulations, best step {best_us / 1e3:.1f} ms ({message})")
 
         tune_config = TuneConfig(
-            num_ranks=config.ranks, num_microbatches=config.microbatches, time_budget_s=config.tune_budget_s
+            num_ranks=config.ranks,
+            num_microbatches=config.microbatches,
+            time_budget_s=config.tune_budget_s,
+            min_gain=config.min_gain,
         )
         tuned = pipeline.tune_reference(profile, tune_config, progress=tuning)
         step.done(f"tuned: {tuned.description} ({tuned.evaluations} simulations, {tuned.seconds:.1f} s)")
@@ -230,6 +242,8 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
         "ranks": config.ranks,
         "microbatches": config.microbatches,
         "tuned": tuned.description,
+        "choice": tuned.choice,
+        "min_gain": config.min_gain,
         "stages": [{"stage": s.stage_index, "rank": s.rank, "layers": list(s.layer_names)} for s in tuned.plan.stages],
         "link": {"latency_us": link.latency_us, "bandwidth_bytes_per_second": link.bandwidth_bytes_per_second},
         "predicted": {"tuned": estimate_json(tuned.estimate), "baseline_1f1b_equal": estimate_json(tuned.baseline)},
@@ -302,6 +316,7 @@ def _print_report(
 ) -> None:
     from octopipe.ir import format_grid, rank_actions  # noqa: PLC0415
 
+    console.print(f"chosen: {summary['choice']}", highlight=False, markup=False)
     stages = Table(title=f"plan: {description}")
     for column in ("stage", "rank", "layers", "predicted F+B+W per micro-batch ms"):
         stages.add_column(column)
@@ -326,7 +341,7 @@ def _print_report(
             console.print(f"rank {rank}: {text}", highlight=False, markup=False)
 
     table = Table(title="predicted (simulator, from the profile) vs measured (median step after warm-up)")
-    for column in ("plan", "step ms predicted", "step ms measured", "replayed", "activations predicted", "measured"):
+    for column in ("plan", "step ms predicted", "step ms measured", "replayed", "activations predicted", "held"):
         table.add_column(column, justify="left" if column == "plan" else "right")
     for name, cmp in (("tuned", tuned), ("1F1B equal", base)):
         table.add_row(
@@ -339,10 +354,15 @@ def _print_report(
         )
     console.print(table)
     static = max(r.static_memory_bytes for r in tuned.simulation.estimate.ranks)
+    measured = (
+        f"measured by the allocator {_size(max(tuned.measured_memory_bytes))}"
+        if tuned.measured_memory_bytes
+        else "not measured by the allocator here (bench/simulator_fidelity.py does); activations above are the "
+        "runtime's own count"
+    )
     console.print(
         f"peak memory per rank (max over ranks), parameters + gradients + optimizer state ({_size(static)}) plus "
-        f"activations: predicted {_size(max(tuned.predicted_memory_bytes))}, "
-        f"measured {_size(max(tuned.measured_memory_bytes))}\n"
+        f"activations: predicted {_size(max(tuned.predicted_memory_bytes))}, {measured}\n"
         "replayed: the simulator fed the measured per-action durations (the rest is runtime overhead)",
         highlight=False,
     )

@@ -140,8 +140,11 @@ class Comparison:
     measured_step_us: float
     #: the simulator with the measured per-action durations (what is left is runtime overhead)
     replay_step_us: float
-    #: the most bytes the runtime held per rank (activations, gradients in flight, messages)
+    #: the most bytes the runtime's own count says it held per rank (activations, gradients in flight,
+    #: messages): its bookkeeping, not the allocator's
     measured_activation_bytes: tuple[int, ...]
+    #: the allocator's peak per rank (runtime.memory; runs with ``measure_memory=True``), the most over runs
+    allocator_memory_bytes: tuple[int, ...] = ()
     #: steps per run, in order (``measured_steps_us`` is their concatenation)
     run_lengths: tuple[int, ...] = ()
     #: measured / predicted time per action, summed over stages: ``F``, ``I+W`` (together: a first stage's
@@ -163,10 +166,16 @@ class Comparison:
 
     @property
     def measured_memory_bytes(self) -> tuple[int, ...]:
-        """The static bytes (exact on both sides) plus the measured activation peak."""
-        return tuple(
-            r.static_memory_bytes + held
-            for r, held in zip(self.simulation.estimate.ranks, self.measured_activation_bytes, strict=True)
+        """The allocator-measured peak per rank (empty when no run measured it)."""
+        return self.allocator_memory_bytes
+
+    @property
+    def memory_error(self) -> float | None:
+        """The largest |predicted - allocator-measured| / measured peak over ranks (None if not measured)."""
+        if not self.allocator_memory_bytes:
+            return None
+        return max(
+            abs(p - m) / m for p, m in zip(self.predicted_memory_bytes, self.allocator_memory_bytes, strict=True)
         )
 
     @property
@@ -197,7 +206,8 @@ class Comparison:
             "predicted_peak_activation_bytes": list(self.predicted_activation_bytes),
             "measured_peak_activation_bytes": list(self.measured_activation_bytes),
             "predicted_peak_memory_bytes": list(self.predicted_memory_bytes),
-            "measured_peak_memory_bytes": list(self.measured_memory_bytes),
+            "measured_peak_memory_bytes": list(self.measured_memory_bytes),  # the allocator's
+            "memory_error": self.memory_error,
             "measured_over_predicted_action_time": dict(self.slowdown),
         }
 
@@ -253,6 +263,10 @@ def compare(
     held: dict[int, int] = {}
     for timeline in timelines:
         held[timeline.rank] = max(held.get(timeline.rank, 0), int(timeline.peak_memory_bytes))
+    measured = [run.memory for run in runs if run.memory]
+    allocator = (
+        tuple(max(int(m[r]["peak_bytes"]) for m in measured) for r in range(len(plan.ranks))) if measured else ()
+    )
     return Comparison(
         plan_name=plan.name,
         simulation=simulation,
@@ -260,6 +274,7 @@ def compare(
         measured_step_us=statistics.median(_timed(steps, lengths)),
         replay_step_us=replay.estimate.step_time_us,
         measured_activation_bytes=tuple(held.get(r, 0) for r in range(len(plan.ranks))),
+        allocator_memory_bytes=allocator,
         run_lengths=lengths,
         slowdown={group: m / p for group, (m, p) in sums.items() if p > 0},
     )

@@ -19,7 +19,9 @@ states, router logits, ...): they go in order, one after the other, on the
 transfer's channel thread under the transfer's tag, so the channel still
 completes its transfers in issue order.
 
-Receive buffers are allocated on first use and reused every step.
+Memory is held as the simulator counts it: a receive's buffers are allocated
+when it is posted (and freed when the computation that consumed them no longer
+needs them); a send's tensors are let go as soon as the send completes.
 """
 
 from __future__ import annotations
@@ -79,8 +81,10 @@ class _Channel:
             if not self.broken:
                 try:
                     self.log.append(op.transfer)
-                    for tensor in op.tensors:  # one transfer's tensors in order, each done before the next
-                        work = self.issue(op, tensor)
+                    # one transfer's tensors in order, each done before the next; no reference to a tensor
+                    # stays on this thread, so the program's thread frees them (the allocator meter sees it)
+                    for index in range(len(op.tensors)):
+                        work = self.issue(op, op.tensors[index])
                         work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
                         del work  # no gloo work may outlive the process group (torch aborts at exit otherwise)
                 except RuntimeError as exc:
@@ -118,7 +122,6 @@ class Channels:
         self.program, self.rank = program, rank
         self.peers = dict(peers) if peers is not None else None
         self.buffer_spec, self.timeout_s, self.aborted, self.group = buffer_spec, timeout_s, aborted, group
-        self.buffers: dict[int, list[torch.Tensor]] = {}
         #: channel ("send", peer) or ("recv", peer) -> the transfers in the order they started, over all steps
         self.started: dict[tuple[str, int], list[int]] = {}
         self._channels: dict[tuple[str, int], _Channel] = {}
@@ -155,12 +158,11 @@ class Channels:
 
     def post_recv_all(self, transfer: int) -> list[torch.Tensor]:
         """Post the receive of ``transfer``, every tensor it carries; return the buffers, valid after ``wait``."""
-        buffers = self.buffers.get(transfer)
-        if buffers is None:
-            spec = self.buffer_spec(transfer)
-            single = isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], torch.dtype)
-            specs: Sequence[BufferSpec] = [spec] if single else spec  # type: ignore[list-item,assignment]
-            buffers = self.buffers[transfer] = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+        self._release_sent()
+        spec = self.buffer_spec(transfer)
+        single = isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], torch.dtype)
+        specs: Sequence[BufferSpec] = [spec] if single else spec  # type: ignore[list-item,assignment]
+        buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
         peer = self.program.sender[transfer][0]
         op = _Op(transfer, tuple(buffers), send=False)
         self._pending[transfer] = op
@@ -169,6 +171,7 @@ class Channels:
 
     def send_all(self, transfer: int, tensors: Sequence[torch.Tensor]) -> None:
         """Start sending ``tensors`` (in order) for ``transfer`` (a SEND action); it completes by ``finish``."""
+        self._release_sent()
         peer = self.program.receiver[transfer][0]
         op = _Op(transfer, tuple(t.contiguous() for t in tensors), send=True)
         self._pending[-1 - transfer] = op  # sends and receives of one transfer never meet on one rank
@@ -179,6 +182,14 @@ class Channels:
         op = self._pending.pop(transfer, None)
         assert op is not None, f"transfer {transfer} waited for without a posted receive"
         self._wait(op, f"{what}: waiting for rank {self.program.sender[transfer][0]}")
+        self._release_sent()
+
+    def _release_sent(self) -> None:
+        """Let go of the tensors of every send that has completed (on the program's thread, as the
+        simulator counts a send: held until its transfer ends); the op stays pending until ``finish``."""
+        for op in self._pending.values():
+            if op.send and op.tensors and op.done.is_set():
+                op.tensors = ()
 
     def finish(self, what: str) -> None:
         """Wait for every operation still in flight (the step's sends); none may be left afterwards."""

@@ -30,8 +30,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from octopipe.execute.linkprobe import free_port
 from octopipe.execute.runtime.pinning import shared_cores
+from octopipe.execute.runtime.ports import free_port
 from octopipe.execute.runtime.worker import ABORT_KEY, WorkerConfig, worker_main
 from octopipe.ir import MeshSpec, mesh_spec
 from octopipe.plan.v1 import plan_pb2
@@ -62,6 +62,8 @@ class RunResult:
     #: rank -> each copy it holds of a tied parameter: first-step gradient and (``keep_params``) final value
     tied_grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     tied_params: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    #: rank -> the allocator-measured memory of one extra step (``measure_memory=True``; runtime.memory)
+    memory: dict[int, dict[str, int]] = field(default_factory=dict)
     wall_s: float = 0.0
 
 
@@ -88,6 +90,7 @@ def run_local_many(
     start_step: int = 0,
     resume: bool = False,
     numerics_check: bool = True,
+    measure_memory: bool = False,
 ) -> list[RunResult]:
     """Run each plan for ``steps`` optimizer steps, one after the other, in one launch of local CPU ranks.
 
@@ -102,6 +105,8 @@ def run_local_many(
     ``numerics_check`` (whole-model capture): before the first step every rank
     checks that its stages reproduce the model's own forward on one
     micro-batch and refuses to train, naming the stage, if not.
+    ``measure_memory`` runs one more pipeline step (no update) after the timed
+    ones under the allocator meter (``RunResult.memory``; see runtime.memory).
     """
     if not plans:
         raise ValueError("give at least one plan")
@@ -150,6 +155,7 @@ def run_local_many(
             start_step=start_step,
             resume=resume,
             numerics_check=numerics_check,
+            measure_memory=measure_memory,
         )
         processes = [
             context.Process(
@@ -187,6 +193,8 @@ def run_local_many(
             if entry.get("tied_grads") or entry.get("tied_params"):
                 result.tied_grads[int(entry["rank"])] = dict(entry["tied_grads"])
                 result.tied_params[int(entry["rank"])] = dict(entry["tied_params"])
+            if entry.get("memory") is not None:
+                result.memory[int(entry["rank"])] = dict(entry["memory"])
         merged.append(result)
     log.info("run_finished", wall_s=round(wall, 2), losses=[[round(x, 5) for x in r.losses] for r in merged])
     return merged
