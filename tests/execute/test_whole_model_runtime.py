@@ -102,6 +102,7 @@ def test_hf_models_on_two_ranks_equal_their_own_training_bitwise() -> None:
     moe_ref = reference_run(moe, num_microbatches=m, steps=3)
     run = runs[2]
     assert run.losses == moe_ref.losses
+    assert all(n["pipelined_loss"] == n["reference_loss"] for n in run.numerics.values()) and len(run.numerics) == 2
     assert_bitwise(moe_ref.grads, run.grads)
     assert_bitwise(moe_ref.params, run.params)
     assert run.tied_grads == {}
