@@ -34,8 +34,9 @@ from octopipe.capture import StageGraphs, StageModule, capture_stage, split_mode
 from octopipe.execute.runtime.checkpoint import load_checkpoint, save_checkpoint
 from octopipe.execute.runtime.comm import Channels
 from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime
+from octopipe.execute.runtime.memory import AllocatorPeak, MemoryMeasurement, resident_bytes
 from octopipe.execute.runtime.mesh import MeshRank
-from octopipe.execute.runtime.models import build_model
+from octopipe.execute.runtime.models import BuiltModel, build_model
 from octopipe.execute.runtime.pinning import pin_rank
 from octopipe.execute.runtime.whole_model import (
     buffer_specs,
@@ -96,6 +97,9 @@ class WorkerConfig:
     adaptive: bool = False
     #: whole-model capture: check before the first step that the pipelined forward reproduces the model's loss
     numerics_check: bool = True
+    #: after the timed steps, one more pipeline step (no optimizer update) under the allocator meter
+    #: (runtime.memory); its result is each plan's ``memory``
+    measure_memory: bool = False
 
 
 class _Recorder:
@@ -232,6 +236,27 @@ class _CaptureCache:
             [named_params[n] for n in graphs.param_names],
             [named_buffers[n] for n in graphs.buffer_names],
         )
+
+
+def _measure_memory(
+    config: WorkerConfig,
+    built: BuiltModel,
+    runtime: RankRuntime,
+    stages: list[StageModule],
+    mine: list[int],
+    optimizer: torch.optim.Optimizer,
+) -> dict[str, int]:
+    """One more pipeline step of the next batch under the allocator meter; parameters are not updated."""
+    step = config.start_step + config.steps
+    held = [t for s in mine for t in (*stages[s].parameters(), *stages[s].buffers())]
+    held += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    resident = resident_bytes(held)
+    microbatches = _split_batch(*built.batch(step), runtime.program.num_microbatches)
+    dist.barrier()
+    with AllocatorPeak() as meter:
+        runtime.run_step(step, microbatches)
+    runtime.zero_grads()
+    return MemoryMeasurement(resident, meter.peak_bytes, meter.end_bytes, meter.allocations).as_json()
 
 
 def _run(config: WorkerConfig, store: dist.TCPStore, events: StepEvents | None) -> list[dict[str, object]]:
@@ -384,8 +409,10 @@ def _run_plan(
                     "plan_switches": switches,
                 }
             )
+    memory = _measure_memory(config, built, runtime, stages, mine, optimizer) if config.measure_memory else None
     runtime.channels.close()
     return {
+        "memory": memory,
         "plan": plan_index,
         "rank": rank,
         "numerics": numerics,
