@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import CostModel, Link, StageCost, simulate
-from octopipe.tune import gpipe, one_f_one_b
+from octopipe.tune import gpipe, one_f_one_b, zb_h1
 
 
 def test_scratch_is_held_during_its_action_and_adds_to_the_peak() -> None:
@@ -52,3 +52,19 @@ def test_a_stage_weight_gradient_scratch_holds_every_layer_gradient_at_once() ->
     (stage,) = CostModel.from_profile(plan, profile, default_link=Link()).stages
     assert stage.backward_weight_scratch_bytes == 100 + 300 + 50 + 40
     assert stage.full_backward_scratch_bytes == 0  # not measured
+
+
+def test_the_first_weight_gradient_of_a_stage_makes_the_accumulated_gradients() -> None:
+    """The static bytes hold the gradients all step; the first W's output is them, later W's make a second copy."""
+    stage = StageCost(
+        forward_us=1.0,
+        backward_input_us=1.0,
+        backward_weight_us=1.0,
+        activation_bytes=0,
+        gradient_bytes=1000,
+        backward_weight_scratch_bytes=1000 + 30,
+    )
+    one = simulate(zb_h1(2, 1), CostModel.uniform(num_stages=2, stage=stage, link=Link())).estimate
+    assert [r.peak_memory_bytes for r in one.ranks] == [1000 + 30, 1000 + 30]
+    two = simulate(zb_h1(2, 2), CostModel.uniform(num_stages=2, stage=stage, link=Link())).estimate
+    assert [r.peak_memory_bytes for r in two.ranks] == [2000 + 30, 2000 + 30]

@@ -36,6 +36,7 @@ from octopipe.ir.errors import (
     MissingInputError,
     VerificationError,
 )
+from octopipe.simulate.calibrate import Calibration, calibrate_profile
 from octopipe.simulate.collectives import GroupLinks, all_gather_us, all_reduce_us, all_to_all_us, reduce_scatter_us
 from octopipe.simulate.costs import (
     CostModel,
@@ -60,6 +61,7 @@ __all__ = [
     "ActionCountError",
     "ActionKind",
     "ActionTiming",
+    "Calibration",
     "CostModel",
     "DeadlockError",
     "Estimate",
@@ -82,6 +84,7 @@ __all__ = [
     "all_reduce_us",
     "all_to_all_us",
     "build_plan",
+    "calibrate_profile",
     "durations_from_timelines",
     "format_action",
     "format_grid",

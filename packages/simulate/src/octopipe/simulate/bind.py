@@ -112,9 +112,13 @@ def bind(program: Program, costs: CostModel) -> Bound:
         W: [stage.backward_weight_scratch_bytes for stage in costs.stages],
         B: [stage.full_backward_scratch_bytes for stage in costs.stages],
     }
+    # a stage's first W (or B) in the step returns the gradients that become its accumulated ones, which the
+    # static bytes already count: only later ones hold a second, transient copy
+    gradient_bytes = [stage.gradient_bytes for stage in costs.stages]
     overlap_cache: dict[tuple[int, int, int], float] = {}
     durations, allocs, frees, unsharded, scratch = [], [], [], [], []
     for row in program.labels:
+        accumulating: set[int] = set()
         d_row = [0.0] * len(row)
         a_row = [0] * len(row)
         f_row = [0] * len(row)
@@ -126,6 +130,9 @@ def bind(program: Program, costs: CostModel) -> Bound:
                 stage = label[1]
                 d_row[step] = table[stage, kind]
                 s_row[step] = scratch_by_kind[kind][stage]
+                if kind in (W, B) and stage not in accumulating:
+                    accumulating.add(stage)
+                    s_row[step] = max(0, s_row[step] - gradient_bytes[stage])
                 if kind == F:
                     a_row[step] = saved[stage]
                 else:
@@ -139,7 +146,11 @@ def bind(program: Program, costs: CostModel) -> Bound:
                 d_row[step] = overlap_cache[key]
                 a_row[step] = saved[label[1]]
                 f_row[step] = frees_by_kind[label[3]][label[4]]
-                s_row[step] = scratch_by_kind[F][label[1]] + scratch_by_kind[label[3]][label[4]]
+                backward = scratch_by_kind[label[3]][label[4]]
+                if label[3] in (W, B) and label[4] not in accumulating:
+                    accumulating.add(label[4])
+                    backward = max(0, backward - gradient_bytes[label[4]])
+                s_row[step] = scratch_by_kind[F][label[1]] + backward
             elif kind in _COLLECTIVES:
                 d_row[step] = table[label[1], kind]
                 if kind == UNSHARD:

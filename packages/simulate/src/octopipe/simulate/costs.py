@@ -300,7 +300,9 @@ def stage_scratch(costs: Sequence[profile_pb2.LayerCost]) -> dict[str, int]:
     the most of any layer's. A stage's W (and full backward) graph returns every
     layer's parameter gradients at once (the runtime adds them into the
     accumulated gradients afterwards): its scratch is all of them plus the most
-    any layer needs beyond its own gradients.
+    any layer needs beyond its own gradients. (The first W or B of a stage in a
+    step makes the gradients that are accumulated, which the static bytes
+    count: the simulator leaves them out of that action's scratch.)
     """
     if not costs:
         return {}

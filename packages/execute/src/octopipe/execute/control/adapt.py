@@ -18,18 +18,16 @@ import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from octopipe.ir import ActionKind, PlanError, StageSpec, add_p2p_actions, build_plan, stage_ranks
+from octopipe.execute.runtime.measure import local_cost_model
+from octopipe.ir import PlanError, StageSpec, add_p2p_actions, build_plan, stage_ranks
 from octopipe.node.v1 import node_pb2
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import CostModel, Link, simulate
-from octopipe.simulate.costs import durations_from_timelines
+from octopipe.simulate import CostModel, calibrate_profile, simulate
 from octopipe.tune import ListSchedulerConfig, gpipe, list_schedule, one_f_one_b, zb_h1, zb_h2
 
 __all__ = ["Retune", "calibrated_costs", "measured_gain", "retune"]
 
-#: gloo between local processes (shared/facts.md), for plans whose profile measured no link
-_LOCAL_LINK = Link(latency_us=100.0, bandwidth_bytes_per_second=3.5e9)
 _LIBRARY: dict[str, Callable[..., plan_pb2.Plan]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
@@ -55,32 +53,9 @@ class Retune:
 def calibrated_costs(
     plan: plan_pb2.Plan, profile: profile_pb2.Profile, timelines: Iterable[profile_pb2.RankTimeline]
 ) -> CostModel:
-    """The profile's costs for ``plan``, with every stage's times replaced or scaled by the measured ones."""
-    link = _LOCAL_LINK
-    if profile.links:
-        first = profile.links[0]
-        link = Link(latency_us=first.latency_us, bandwidth_bytes_per_second=first.bandwidth_bytes_per_second)
-    base = CostModel.from_profile(plan, profile, default_link=link)
-    measured = durations_from_timelines(timelines)
-    durations: dict[tuple[int, ActionKind], float] = {}
-    for stage, cost in enumerate(base.stages):
-        forward = measured.get((stage, ActionKind.FORWARD), cost.forward_us)
-        split = (stage, ActionKind.BACKWARD_INPUT) in measured and (stage, ActionKind.BACKWARD_WEIGHT) in measured
-        if split:
-            backward_input = measured[(stage, ActionKind.BACKWARD_INPUT)]
-            backward_weight = measured[(stage, ActionKind.BACKWARD_WEIGHT)]
-        else:
-            profiled = cost.backward_input_us + cost.backward_weight_us
-            full = measured.get((stage, ActionKind.FULL_BACKWARD), profiled)
-            scale = full / profiled if profiled > 0 else 1.0
-            backward_input, backward_weight = cost.backward_input_us * scale, cost.backward_weight_us * scale
-        durations[(stage, ActionKind.FORWARD)] = forward
-        durations[(stage, ActionKind.BACKWARD_INPUT)] = backward_input
-        durations[(stage, ActionKind.BACKWARD_WEIGHT)] = backward_weight
-        durations[(stage, ActionKind.FULL_BACKWARD)] = measured.get(
-            (stage, ActionKind.FULL_BACKWARD), backward_input + backward_weight
-        )
-    return CostModel.from_profile(plan, profile, default_link=link, durations_us=durations)
+    """The costs of ``plan`` from ``profile`` calibrated in situ by ``timelines`` (``simulate.calibrate_profile``,
+    the same calibration the tuner's profile gets from a calibration run)."""
+    return local_cost_model(plan, calibrate_profile(profile, plan, timelines).profile)
 
 
 def _layout(plan: plan_pb2.Plan) -> list[tuple[tuple[str, ...], int]]:
