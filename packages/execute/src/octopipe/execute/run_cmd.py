@@ -133,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
                 "losses": result.losses,
                 "measured_step_ms": [t / 1e3 for t in times],
                 "rank_cores": {str(rank): cores for rank, cores in sorted(result.cores.items())},
+                "numerics_check": {str(rank): figures for rank, figures in sorted(result.numerics.items())} or None,
                 "simulated": estimate_json(simulation.estimate) if simulation is not None else None,
                 "files": {k: str(v) for k, v in (("timeline", args.timeline), ("trace", args.trace)) if v},
             }
@@ -154,6 +155,10 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(*row)
     console.print(table)
     console.print("cores: " + ", ".join(f"rank {r} on {c}" for r, c in sorted(result.cores.items())))
+    if result.numerics:  # whole-model capture: the guard passed on every rank before the first step
+        worst = max(figures["seconds"] for figures in result.numerics.values())
+        loss = next(iter(result.numerics.values()))["reference_loss"]
+        console.print(f"numerics guard passed: loss {loss:.5f}, as the model computes it ({worst:.2f} s)")
     if args.timeline:
         console.print(f"timelines: {args.timeline}")
     if args.trace:

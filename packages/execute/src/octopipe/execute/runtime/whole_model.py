@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import structlog
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -140,11 +139,9 @@ def guard(
         return run
 
     forwards = [runtime_forward(mine[s]) if s in mine else eager_forward(stage) for s, stage in enumerate(whole.stages)]
-    report = check_numerics(whole.graph, whole.stages, model_inputs(names, *microbatch), forwards=forwards)
-    structlog.get_logger("octopipe.worker").info(
-        "numerics_checked", stages=sorted(mine), loss=report.pipelined_loss, seconds=round(report.seconds, 3)
-    )
-    return report
+    # no log here: a rank's stdout is the launching command's (``octopipe run --json``); the figures go back
+    # in the rank's result (``RunResult.numerics``) and the launching process reports them
+    return check_numerics(whole.graph, whole.stages, model_inputs(names, *microbatch), forwards=forwards)
 
 
 def reduce_tied(
