@@ -47,7 +47,17 @@ from octopipe.execute.runtime.models import model_inputs
 from octopipe.ir.program import SEND_F, Program
 from octopipe.transform import StageExecutable
 
-__all__ = ["Boundaries", "WholeModelStages", "buffer_specs", "guard", "reduce_tied", "whole_model_stages"]
+__all__ = [
+    "Boundaries",
+    "WholeModelStages",
+    "buffer_specs",
+    "graph_boundaries",
+    "guard",
+    "layer_boundaries",
+    "reduce_tied",
+    "tied_indices",
+    "whole_model_stages",
+]
 
 
 @dataclass(frozen=True, eq=False)
