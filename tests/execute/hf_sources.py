@@ -62,3 +62,37 @@ def qwen3_moe(
         experts_implementation="batched_mm",
     )
     return transformers.Qwen3MoeForCausalLM(config), _batches(int(global_batch), int(sequence))
+
+
+class TokenGlue(nn.Module):
+    """A plain module whose loss reads the token ids again after the last layer.
+
+    So the ids cross every stage boundary beside the hidden states, without a gradient.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        seen = (tokens.unsqueeze(-1) == torch.arange(32)).to(x.dtype)  # glue after the last layer reads the ids
+        logits = self.head(x) + 0.5 * seen
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def token_glue(
+    global_batch: str = "4", sequence: str = "8"
+) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]]]:
+    """Run with ``capture=whole`` in the reference's config (a plain module defaults to the layer list)."""
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (int(global_batch), int(sequence))
+        tokens = torch.randint(0, 32, shape, generator=torch.Generator().manual_seed(200 + step))
+        return tokens, tokens.roll(1, 1)
+
+    return TokenGlue(), batch

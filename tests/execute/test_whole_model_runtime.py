@@ -24,16 +24,20 @@ transformers = pytest.importorskip("transformers")
 TIED = "model.embed_tokens.weight"
 
 
-def reference(function: str) -> plan_pb2.ModelReference:
-    return plan_pb2.ModelReference(name=function, source=f"tests.execute.hf_sources:{function}")
+def reference(function: str, **config: str) -> plan_pb2.ModelReference:
+    model_ref = plan_pb2.ModelReference(name=function, source=f"tests.execute.hf_sources:{function}")
+    model_ref.config.update(config)
+    return model_ref
 
 
 def partition(model_ref: plan_pb2.ModelReference, ranks: int) -> list[list[str]]:
     """The layers trace_model discovers (embedding, blocks, norm, lm_head), in ``ranks`` equal stages."""
     built = build_model(model_ref)
-    assert built.input_names == ("input_ids", "labels")  # a transformers model: whole-model capture by default
+    assert built.input_names is not None  # whole-model capture (transformers models by default)
     x, y = built.batch(0)
-    return equal_partition(list(trace_model(built.model, {"input_ids": x, "labels": y}).layers), ranks)
+    return equal_partition(
+        list(trace_model(built.model, dict(zip(built.input_names, (x, y), strict=True))).layers), ranks
+    )
 
 
 def plans(
@@ -65,14 +69,15 @@ def deterministic() -> Iterator[None]:
 @pytest.mark.slow  # about 35 s on 2 shared cores
 @pytest.mark.usefixtures("deterministic")
 def test_hf_models_on_two_ranks_equal_their_own_training_bitwise() -> None:
-    """One launch: tied Llama under 1F1B and ZB-H1 (split backward), Qwen3-MoE (aux loss) under 1F1B.
+    """One launch: tied Llama under 1F1B and ZB-H1 (split backward), Qwen3-MoE (aux loss) under 1F1B, and a
+    plain module whose token ids cross the boundary without a gradient (``capture=whole``) under ZB-H1.
 
     Losses, every first-step gradient and every weight after 3 AdamW steps equal the model's own
     eager training; both copies of the tied embedding get the shared tensor's gradient and stay equal.
     """
-    llama, moe, m = reference("llama"), reference("qwen3_moe"), 2
+    llama, moe, glue, m = reference("llama"), reference("qwen3_moe"), reference("token_glue", capture="whole"), 2
     runs = run_local_many(
-        [*plans(llama, m, [one_f_one_b, zb_h1]), *plans(moe, m, [one_f_one_b])],
+        [*plans(llama, m, [one_f_one_b, zb_h1]), *plans(moe, m, [one_f_one_b]), *plans(glue, m, [zb_h1])],
         steps=3,
         keep_grads=True,
         keep_params=True,
@@ -106,6 +111,18 @@ def test_hf_models_on_two_ranks_equal_their_own_training_bitwise() -> None:
     assert_bitwise(moe_ref.grads, run.grads)
     assert_bitwise(moe_ref.params, run.params)
     assert run.tied_grads == {}
+    # a plain module: its loss reads the token ids after the last layer, so they cross beside the hidden states
+    built = build_model(glue)
+    assert built.input_names == ("tokens", "targets")
+    x, y = built.batch(0)
+    whole = whole_model_stages(built.model, built.input_names, (x[:2], y[:2]), partition(glue, 2))
+    # the ids (no gradient), then the hidden states: SEND_F carries two tensors, SEND_B one gradient
+    assert whole.stages[0].output_requires_grad == (False, True)
+    glue_ref = reference_run(glue, num_microbatches=m, steps=3)
+    run = runs[3]
+    assert run.losses == glue_ref.losses
+    assert_bitwise(glue_ref.grads, run.grads)
+    assert_bitwise(glue_ref.params, run.params)
 
 
 def test_launch_guard_names_a_wrong_stage() -> None:
