@@ -121,6 +121,7 @@ def test_hf_models_on_two_ranks_equal_their_own_training_bitwise() -> None:
     glue_ref = reference_run(glue, num_microbatches=m, steps=3)
     run = runs[3]
     assert run.losses == glue_ref.losses
+    assert all(n["pipelined_loss"] == n["reference_loss"] for n in run.numerics.values()) and len(run.numerics) == 2
     assert_bitwise(glue_ref.grads, run.grads)
     assert_bitwise(glue_ref.params, run.params)
 
