@@ -39,8 +39,8 @@ def test_scratch_comes_from_the_profile_as_the_most_of_a_stage_layers() -> None:
 
 
 def test_a_stage_weight_gradient_scratch_holds_every_layer_gradient_at_once() -> None:
-    """W returns all of a stage's parameter gradients together (then they are added in): all of them plus the
-    most any layer needs beyond its own."""
+    """W returns all of a stage's parameter gradients together (then they are added in), made from the last
+    layer to the first: the most over layers of the later layers' gradients plus the layer's own scratch."""
     layers = [
         profile_pb2.LayerCost(
             layer_name=f"l{i}", forward_duration_us=1.0, gradient_bytes=grads, backward_weight_scratch_bytes=scratch
@@ -50,7 +50,8 @@ def test_a_stage_weight_gradient_scratch_holds_every_layer_gradient_at_once() ->
     profile = profile_pb2.Profile(layers=layers)
     plan = gpipe(1, 1, layer_names=[["l0", "l1", "l2"]])
     (stage,) = CostModel.from_profile(plan, profile, default_link=Link()).stages
-    assert stage.backward_weight_scratch_bytes == 100 + 300 + 50 + 40
+    # l2: 90; l1: 50 + 310; l0: 50 + 300 + 130
+    assert stage.backward_weight_scratch_bytes == 50 + 300 + 130
     assert stage.full_backward_scratch_bytes == 0  # not measured
 
 
@@ -68,3 +69,48 @@ def test_the_first_weight_gradient_of_a_stage_makes_the_accumulated_gradients() 
     assert [r.peak_memory_bytes for r in one.ranks] == [1000 + 30, 1000 + 30]
     two = simulate(zb_h1(2, 2), CostModel.uniform(num_stages=2, stage=stage, link=Link())).estimate
     assert [r.peak_memory_bytes for r in two.ranks] == [2000 + 30, 2000 + 30]
+
+
+def test_what_input_gradient_keeps_for_weight_gradient_is_held_until_w() -> None:
+    """I allocates output gradients W needs (beyond F's activations): held from I's start until W ends."""
+    stage = StageCost(
+        forward_us=1.0,
+        backward_input_us=1.0,
+        backward_weight_us=1.0,
+        activation_bytes=100,
+        freed_by_backward_input_bytes=60,
+        kept_for_weight_bytes=50,
+    )
+    estimate = simulate(zb_h1(2, 1), CostModel.uniform(num_stages=2, stage=stage, link=Link())).estimate
+    # F: 100; I: + 50 while it runs, then - 60; W: frees the other 40 and the 50
+    assert [r.peak_memory_bytes for r in estimate.ranks] == [150, 150]
+    fused = simulate(one_f_one_b(2, 1), CostModel.uniform(num_stages=2, stage=stage, link=Link())).estimate
+    assert [r.peak_memory_bytes for r in fused.ranks] == [100, 100]  # a fused backward keeps nothing for later
+
+
+def test_a_stage_whose_input_needs_no_gradient_has_nothing_for_i_to_do() -> None:
+    """The model's data needs no gradient: the first stage's I computes nothing; W back-propagates instead."""
+    layers = [
+        profile_pb2.LayerCost(
+            layer_name=f"l{i}",
+            forward_duration_us=1.0,
+            backward_input_duration_us=2.0,
+            backward_weight_duration_us=3.0,
+            activation_saved_bytes=100,
+            activation_freed_by_backward_input_bytes=60,
+            backward_input_kept_bytes=30,
+            backward_input_scratch_bytes=7,
+            input_without_gradient=i == 0,
+        )
+        for i in range(4)
+    ]
+    plan = zb_h1(2, 1, layer_names=[["l0", "l1"], ["l2", "l3"]])
+    first, second = CostModel.from_profile(plan, profile_pb2.Profile(layers=layers), default_link=Link()).stages
+    assert (first.backward_input_us, first.backward_weight_us) == (0.0, 10.0)
+    assert (first.freed_by_backward_input_bytes, first.kept_for_weight_bytes, first.backward_input_scratch_bytes) == (
+        0,
+        0,
+        0,
+    )
+    assert (second.backward_input_us, second.backward_weight_us) == (4.0, 6.0)
+    assert (second.freed_by_backward_input_bytes, second.kept_for_weight_bytes) == (120, 60)

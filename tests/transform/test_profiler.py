@@ -76,3 +76,13 @@ def test_scratch_is_what_an_action_frees_before_it_ends(profile: profile_pb2.Pro
     for cost in profile.layers:
         # the weight-gradient action returns the gradients: at least their bytes pass through the allocator
         assert cost.backward_weight_scratch_bytes >= cost.parameter_bytes
+
+
+def test_input_gradient_keeps_new_tensors_for_the_weight_gradient(profile: profile_pb2.Profile) -> None:
+    """I makes each linear's output gradient and keeps it for W: not part of what F saved, counted apart."""
+    for cost in profile.layers:
+        kept = cost.backward_input_kept_bytes
+        freed = cost.activation_freed_by_backward_input_bytes + cost.activation_freed_by_backward_weight_bytes
+        assert freed == cost.activation_saved_bytes + kept  # W frees what I kept of F's and what I made
+    mlp = next(c for c in profile.layers if c.layer_type == "relu2")
+    assert mlp.backward_input_kept_bytes >= 2 * 32 * 64 * 4  # at least one hidden-sized output gradient

@@ -100,10 +100,11 @@ def bind(program: Program, costs: CostModel) -> Bound:
     unsharded_bytes = [
         _local(stage, _held(stage), program.ep) if program.dp > 1 else _held(stage) for stage in costs.stages
     ]
+    kept = [stage.kept_for_weight_bytes for stage in costs.stages]  # I makes them, W frees them
     frees_by_kind: dict[int, list[int]] = {
         F: [0] * num_stages,
         I: freed_by_input,
-        W: [saved[s] - freed_by_input[s] for s in range(num_stages)],
+        W: [saved[s] - freed_by_input[s] + kept[s] for s in range(num_stages)],
         B: saved,
     }
     scratch_by_kind: dict[int, list[int]] = {
@@ -136,6 +137,7 @@ def bind(program: Program, costs: CostModel) -> Bound:
                 if kind == F:
                     a_row[step] = saved[stage]
                 else:
+                    a_row[step] = kept[stage] if kind == I else 0
                     f_row[step] = frees_by_kind[kind][stage]
             elif kind == OVERLAP:
                 key = (label[1], label[4], label[3])
@@ -144,7 +146,7 @@ def bind(program: Program, costs: CostModel) -> Bound:
                     exchanged = a2a[label[1]] + a2a[label[4]]
                     overlap_cache[key] = exchanged if exchanged > unit else unit
                 d_row[step] = overlap_cache[key]
-                a_row[step] = saved[label[1]]
+                a_row[step] = saved[label[1]] + (kept[label[4]] if label[3] == I else 0)
                 f_row[step] = frees_by_kind[label[3]][label[4]]
                 backward = scratch_by_kind[label[3]][label[4]]
                 if label[3] in (W, B) and label[4] not in accumulating:

@@ -45,7 +45,8 @@ class StageCost:
     """What one stage costs for one micro-batch: the sums over its layers.
 
     F saves ``activation_bytes``; I frees ``freed_by_backward_input_bytes`` of
-    them and W the rest; a full backward B frees all of them.
+    them and W the rest; a full backward B frees all of them. I also allocates
+    ``kept_for_weight_bytes`` (output gradients W needs), which W frees.
     ``output_bytes`` is the boundary tensor sent to the next stage (the
     gradient sent back to this stage has the same size).
     ``unsharded_bytes`` is what UNSHARD holds until RESHARD (None: the
@@ -74,6 +75,7 @@ class StageCost:
     reduce_grad_us: float = 0.0
     all_to_all_bytes: int = 0
     expert_parameter_bytes: int = 0
+    kept_for_weight_bytes: int = 0
     forward_scratch_bytes: int = 0
     backward_input_scratch_bytes: int = 0
     backward_weight_scratch_bytes: int = 0
@@ -99,6 +101,7 @@ class StageCost:
             "output_bytes",
             "all_to_all_bytes",
             "expert_parameter_bytes",
+            "kept_for_weight_bytes",
             "forward_scratch_bytes",
             "backward_input_scratch_bytes",
             "backward_weight_scratch_bytes",
@@ -293,27 +296,33 @@ class CostModel:
         )
 
 
-def stage_scratch(costs: Sequence[profile_pb2.LayerCost]) -> dict[str, int]:
+def stage_scratch(costs: Sequence[profile_pb2.LayerCost], *, first: bool = False) -> dict[str, int]:
     """A stage's scratch per action kind from its layers' (``StageCost.*_scratch_bytes``).
 
     The layers run one after another inside an action, so F's and I's scratch is
     the most of any layer's. A stage's W (and full backward) graph returns every
     layer's parameter gradients at once (the runtime adds them into the
-    accumulated gradients afterwards): its scratch is all of them plus the most
-    any layer needs beyond its own gradients. (The first W or B of a stage in a
+    accumulated gradients afterwards), made from the last layer to the first:
+    its scratch is the most, over layers, of the later layers' gradients plus
+    the layer's own scratch (which includes its gradients). (The first W or B of a stage in a
     step makes the gradients that are accumulated, which the static bytes
-    count: the simulator leaves them out of that action's scratch.)
+    count: the simulator leaves them out of that action's scratch.) The first
+    stage's I computes nothing (``first``).
     """
     if not costs:
         return {}
 
     def with_gradients(field: str) -> int:
-        grads = sum(c.gradient_bytes for c in costs)
-        return grads + max(max(0, int(getattr(c, field)) - c.gradient_bytes) for c in costs)
+        # backward runs from the last layer to the first: when layer j runs, the later layers' gradients exist
+        later, most = 0, 0
+        for cost in reversed(costs):
+            most = max(most, later + int(getattr(cost, field)))
+            later += cost.gradient_bytes
+        return most
 
     return {
         "forward_scratch_bytes": max(c.forward_scratch_bytes for c in costs),
-        "backward_input_scratch_bytes": max(c.backward_input_scratch_bytes for c in costs),
+        "backward_input_scratch_bytes": 0 if first else max(c.backward_input_scratch_bytes for c in costs),
         "backward_weight_scratch_bytes": with_gradients("backward_weight_scratch_bytes")
         if any(c.backward_weight_scratch_bytes for c in costs)
         else 0,
@@ -345,11 +354,16 @@ def _stage_cost(
     bandwidth = collective_bandwidth
     if bandwidth is not None and not bandwidth > 0:
         raise ValueError(f"collective_bandwidth_bytes_per_second must be > 0, got {bandwidth}")
+    # a stage whose input needs no gradient (the model's data) has no I to compute: its W back-propagates
+    # through the stage itself (the runtime's split graphs do exactly this)
+    first = costs[0].input_without_gradient
     try:
         return StageCost(
             forward_us=sum(c.forward_duration_us for c in costs),
-            backward_input_us=sum(c.backward_input_duration_us for c in costs),
-            backward_weight_us=sum(c.backward_weight_duration_us for c in costs),
+            backward_input_us=0.0 if first else sum(c.backward_input_duration_us for c in costs),
+            backward_weight_us=sum(
+                c.backward_weight_duration_us + (c.backward_input_duration_us if first else 0.0) for c in costs
+            ),
             full_backward_us=sum(
                 c.full_backward_duration_us
                 if c.HasField("full_backward_duration_us")
@@ -357,7 +371,9 @@ def _stage_cost(
                 for c in costs
             ),
             activation_bytes=saved,
-            freed_by_backward_input_bytes=sum(c.activation_freed_by_backward_input_bytes for c in costs),
+            freed_by_backward_input_bytes=0
+            if first
+            else sum(c.activation_freed_by_backward_input_bytes for c in costs),
             parameter_bytes=params,
             gradient_bytes=grads,
             optimizer_state_bytes=sum(c.optimizer_state_bytes for c in costs),
@@ -366,7 +382,8 @@ def _stage_cost(
             reduce_grad_us=0.0 if bandwidth is None else grads / bandwidth * 1e6,
             all_to_all_bytes=sum(c.all_to_all_bytes for c in costs),
             expert_parameter_bytes=sum(c.expert_parameter_bytes for c in costs),
-            **stage_scratch(costs),
+            kept_for_weight_bytes=0 if first else sum(c.backward_input_kept_bytes for c in costs),
+            **stage_scratch(costs, first=first),
         )
     except ValueError as exc:
         raise ValueError(f"stage {index} (layers {list(names)}): {exc}") from None

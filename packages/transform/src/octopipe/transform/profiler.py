@@ -64,11 +64,13 @@ def _median_us(run: Callable[[], object], prepare: Callable[[], object], repeats
     return statistics.median(samples)
 
 
-def _scratch(run: Callable[[], object]) -> int:
-    """The allocator's peak during ``run`` above what ``run`` leaves allocated (its freed intermediates)."""
+def _scratch(run: Callable[[], object], kept: Callable[[], int] = lambda: 0) -> int:
+    """The allocator's peak during ``run`` above the bytes ``run`` made and keeps (``kept()`` afterwards):
+    its intermediates. (Not above the allocator's end level: frees of older tensors inside the window, which
+    the allocator may or may not report, would move it.)"""
     with AllocatorPeak() as meter:
         run()
-    return max(0, meter.peak_bytes - max(0, meter.end_bytes))
+    return max(0, meter.peak_bytes - kept())
 
 
 def _spec_of(model: nn.Module, spec: PipelineSpec | None) -> PipelineSpec:
@@ -108,6 +110,7 @@ def profile_layers(
         cost = _layer_cost(exe, stage_inputs, config)
         cost.layer_name = layer.name
         cost.layer_type = kind_of(layer.name)
+        cost.input_without_gradient = index == 0  # the model's data: a stage starting here has no I to compute
         with torch.no_grad():
             out = stage(*stage_inputs)
         if not last:
@@ -156,20 +159,39 @@ def _layer_cost(exe: StageExecutable, inputs: list[torch.Tensor], config: Profil
 
     forward()
     ctx = state["ctx"]
-    saved = storage_bytes(ctx.saved or [], exclude=static)  # type: ignore[attr-defined]
+    saved_tensors = list(ctx.saved or [])  # type: ignore[attr-defined]
+    saved = storage_bytes(saved_tensors, exclude=static)
     backward_input()
-    held = storage_bytes(state["wctx"].tensors or [], exclude=static)  # type: ignore[attr-defined]
+    kept_for_w = list(state["wctx"].tensors or [])  # type: ignore[attr-defined]
+    held = storage_bytes(kept_for_w, exclude=static)
+    # what I made and keeps for W (output gradients), as opposed to what F saved and W still needs
+    kept = storage_bytes(kept_for_w, exclude=[*static, *(t for t in saved_tensors if isinstance(t, torch.Tensor))])
+    del saved_tensors, kept_for_w
     backward_weight()
     # scratch: each action once more under the allocator meter (untimed: the profiler slows what it watches)
-    cost.forward_scratch_bytes = _scratch(forward)
-    cost.backward_input_scratch_bytes = _scratch(backward_input)
+    outside = [*static, *inputs]
+    saved_before: list[torch.Tensor] = []  # what F saved, before I runs (I's own tensors are the others)
+
+    def forward_kept() -> int:  # the output and what F saved (the inputs and parameters are not F's)
+        return storage_bytes([state["out"], *(state["ctx"].saved or [])], exclude=outside)  # type: ignore[attr-defined]
+
+    def input_kept() -> int:  # the input gradients and what I made for W
+        made = [*state["grads"], *(state["wctx"].tensors or [])]  # type: ignore[attr-defined,misc]
+        return storage_bytes(made, exclude=[*outside, *saved_before])
+
+    cost.forward_scratch_bytes = _scratch(forward, forward_kept)
+    saved_before[:] = [t for t in state["ctx"].saved or [] if isinstance(t, torch.Tensor)]  # type: ignore[attr-defined]
+    cost.backward_input_scratch_bytes = _scratch(backward_input, input_kept)
+    saved_before.clear()
+    # W and the fused backward return the parameter gradients: their bytes are part of the scratch by design
     cost.backward_weight_scratch_bytes = _scratch(backward_weight)
     forward()
     cost.full_backward_scratch_bytes = _scratch(full)
     state.clear()
     cost.activation_saved_bytes = saved
     cost.activation_freed_by_backward_weight_bytes = held
-    cost.activation_freed_by_backward_input_bytes = max(0, saved - held)
+    cost.activation_freed_by_backward_input_bytes = max(0, saved - (held - kept))
+    cost.backward_input_kept_bytes = kept
     params = [p for p in exe.params]
     cost.parameter_bytes = sum(p.numel() * p.element_size() for p in params)
     cost.gradient_bytes = cost.parameter_bytes

@@ -359,6 +359,9 @@ def scale_microbatches(profile: profile_pb2.Profile, factor: int) -> profile_pb2
         layer.activation_saved_bytes *= factor
         layer.activation_freed_by_backward_input_bytes *= factor
         layer.activation_freed_by_backward_weight_bytes *= factor
+        layer.backward_input_kept_bytes *= factor
+        layer.forward_scratch_bytes *= factor  # activation-sized intermediates (gradient parts do not scale)
+        layer.backward_input_scratch_bytes *= factor
         layer.all_to_all_bytes *= factor
         for tensor in layer.output_tensors:
             tensor.size_bytes *= factor
