@@ -114,3 +114,23 @@ def test_a_stage_whose_input_needs_no_gradient_has_nothing_for_i_to_do() -> None
     )
     assert (second.backward_input_us, second.backward_weight_us) == (4.0, 6.0)
     assert (second.freed_by_backward_input_bytes, second.kept_for_weight_bytes) == (120, 60)
+
+
+def test_a_layer_scratch_rides_on_what_the_stage_made_before_it() -> None:
+    """F runs layers first to last, each saving its activations: an early layer's scratch (150 at its peak)
+    stays under what the stage holds at the end (200); the last layer's 10 rides on all of it."""
+    layers = [
+        profile_pb2.LayerCost(
+            layer_name=f"l{i}",
+            forward_duration_us=1.0,
+            activation_saved_bytes=100,
+            forward_scratch_bytes=scratch,
+            backward_input_kept_bytes=kept,
+            backward_input_scratch_bytes=input_scratch,
+        )
+        for i, (scratch, kept, input_scratch) in enumerate([(50, 40, 5), (10, 40, 60)])
+    ]
+    plan = gpipe(1, 1, layer_names=[["l0", "l1"]])
+    (stage,) = CostModel.from_profile(plan, profile_pb2.Profile(layers=layers), default_link=Link()).stages
+    assert stage.forward_scratch_bytes == 10  # max(100 + 50, 200 + 10) - 200
+    assert stage.backward_input_scratch_bytes == 20  # I goes last to first: max(40 + 60, 80 + 5) - 80

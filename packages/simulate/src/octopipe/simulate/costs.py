@@ -299,8 +299,10 @@ class CostModel:
 def stage_scratch(costs: Sequence[profile_pb2.LayerCost], *, first: bool = False) -> dict[str, int]:
     """A stage's scratch per action kind from its layers' (``StageCost.*_scratch_bytes``).
 
-    The layers run one after another inside an action, so F's and I's scratch is
-    the most of any layer's. A stage's W (and full backward) graph returns every
+    The layers run one after another inside an action (F first to last, I last
+    to first), each making its saved (F) or kept-for-W (I) bytes: F's and I's
+    scratch is the most a layer needs above what the stage has made by then,
+    counted above all of them (the simulator allocates them at the start). A stage's W (and full backward) graph returns every
     layer's parameter gradients at once (the runtime adds them into the
     accumulated gradients afterwards), made from the last layer to the first:
     its scratch is the most, over layers, of the later layers' gradients plus
@@ -320,9 +322,20 @@ def stage_scratch(costs: Sequence[profile_pb2.LayerCost], *, first: bool = False
             later += cost.gradient_bytes
         return most
 
+    def above_running(field: str, kept: str, order: Iterable[profile_pb2.LayerCost]) -> int:
+        # the simulator allocates the stage's kept bytes (F: saved, I: kept for W) when the action starts; the
+        # layers make theirs one after another, so a layer's scratch rides on those made so far, not on all
+        held, most, total = 0, 0, sum(int(getattr(c, kept)) for c in costs)
+        for cost in order:
+            held += int(getattr(cost, kept))
+            most = max(most, held + int(getattr(cost, field)))
+        return max(0, most - total)
+
     return {
-        "forward_scratch_bytes": max(c.forward_scratch_bytes for c in costs),
-        "backward_input_scratch_bytes": 0 if first else max(c.backward_input_scratch_bytes for c in costs),
+        "forward_scratch_bytes": above_running("forward_scratch_bytes", "activation_saved_bytes", costs),
+        "backward_input_scratch_bytes": 0
+        if first
+        else above_running("backward_input_scratch_bytes", "backward_input_kept_bytes", reversed(costs)),
         "backward_weight_scratch_bytes": with_gradients("backward_weight_scratch_bytes")
         if any(c.backward_weight_scratch_bytes for c in costs)
         else 0,
