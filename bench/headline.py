@@ -2,22 +2,28 @@
 
 For ``jamba-8`` and ``nemotronh-16`` (shared/benchmarks.md sizes, 2 ranks, m = 8):
 profile the layers and the link on this machine, tune (partition x placement x
-schedule under 1F1B's memory peak), run the tuned plan with octopipe, and run
-every torch schedule class (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble,
-DualPipeV) with equal layer counts per stage on torch's own runtime. Reports the
-throughput ratio tuned / torch's best, and the tuned step time against the
-zero-bubble limit: the sum of every layer's F + B + W (from the same profile)
-x m / p. Launches run one after another; each gives ``--steps`` steps, the
-first is warm-up; medians and 10th-90th percentiles.
+schedule under 1F1B's memory peak; the fastest predicted plan, and the plan
+chosen with ``--min-gain``), then measure, every launch with its 2 ranks pinned
+to 2 distinct cores:
 
-    .venv/bin/python bench/headline.py [--workloads jamba-8 nemotronh-16] [--steps 4]
+* round 1: every torch schedule class (GPipe, 1F1B, Interleaved1F1B,
+  ZBVZeroBubble, DualPipeV) with equal layer counts on torch's own runtime,
+  and the tuned plan on octopipe's;
+* rounds 2..``--rounds``: the tuned plan and torch's best of round 1,
+  alternating (A B A B), so drift touches both alike.
+
+Each launch runs ``--steps`` steps; the first is warm-up. Reports medians and
+10th-90th percentiles, the throughput ratio tuned / torch's best, and the
+tuned step against the zero-bubble limit (every layer's F + B + W from the
+same profile x m / p). Refuses a busy machine unless ``--force``.
+
+    .venv/bin/python bench/headline.py [--workloads jamba-8 nemotronh-16] [--rounds 5] [--steps 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -27,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from quiet import DEFAULT_MAX_LOAD, Environment, require_quiet
 from vs_torch import SCHEDULES, percentile, run_torch
 
 from octopipe.execute.linkprobe import measure_link
@@ -42,18 +49,37 @@ def summary(values: list[float]) -> dict[str, float]:
         "median_ms": statistics.median(values) / 1e3,
         "p10_ms": percentile(values, 0.1) / 1e3,
         "p90_ms": percentile(values, 0.9) / 1e3,
+        "samples": len(values),
     }
 
 
-def bench(name: str, steps: int, tiny: bool) -> dict[str, Any]:
-    reference = workload_reference(name, tiny=True, sequence=16) if tiny else workload_reference(name)
+def bench(name: str, args: argparse.Namespace, env: Environment) -> dict[str, Any]:
+    reference = workload_reference(name, tiny=True, sequence=16) if args.tiny else workload_reference(name)
     link, _ = measure_link()
     profile = profile_reference(reference, num_microbatches=M, num_ranks=P, link=link)
-    tuned = tune_reference(profile, TuneConfig(num_ranks=P, num_microbatches=M))
+    tuned = tune_reference(profile, TuneConfig(num_ranks=P, num_microbatches=M, time_budget_s=60.0))
+    chosen = tune_reference(
+        profile, TuneConfig(num_ranks=P, num_microbatches=M, time_budget_s=60.0, min_gain=args.min_gain)
+    )
     plan = tuned.plan
-    ours = measured_step_times_us(run_local(plan, steps=steps, timeout_s=900))[1:]
-    torch_runs = {schedule: run_torch(schedule, reference, M, steps)[1:] for schedule in SCHEDULES}
+    timeout = 120.0 if args.tiny else 900.0
+
+    def ours() -> list[float]:
+        run = run_local(plan, steps=args.steps, timeout_s=timeout)
+        env.record(run.cores)
+        return measured_step_times_us(run)[1:]
+
+    def theirs(schedule: str) -> list[float]:
+        times, cores = run_torch(schedule, reference, M, args.steps)
+        env.record(cores)
+        return times[1:]
+
+    measured: dict[str, list[float]] = {"octopipe": ours()}
+    torch_runs = {schedule: theirs(schedule) for schedule in SCHEDULES}
     best_name = min(torch_runs, key=lambda s: statistics.median(torch_runs[s]))
+    for _ in range(args.rounds - 1):
+        measured["octopipe"] += ours()
+        torch_runs[best_name] += theirs(best_name)
     limit_us = (
         sum(
             c.forward_duration_us + c.backward_input_duration_us + c.backward_weight_duration_us for c in profile.layers
@@ -61,17 +87,20 @@ def bench(name: str, steps: int, tiny: bool) -> dict[str, Any]:
         * M
         / P
     )
+    ours_median = statistics.median(measured["octopipe"])
     return {
         "workload": name,
         "tuned": tuned.description,
         "tuned_predicted_ms": tuned.estimate.step_time_us / 1e3,
         "predicted_speedup_over_1f1b": tuned.speedup,
-        "ours": summary(ours),
+        "chosen_with_min_gain": {"min_gain": args.min_gain, "plan": chosen.description, "why": chosen.choice},
+        "link": {"latency_us": link.latency_us, "bandwidth_bytes_per_second": link.bandwidth_bytes_per_second},
+        "ours": summary(measured["octopipe"]),
         "torch": {s: summary(v) for s, v in torch_runs.items()},
         "torch_best": best_name,
-        "throughput_ratio_vs_torch_best": statistics.median(torch_runs[best_name]) / statistics.median(ours),
+        "throughput_ratio_vs_torch_best": statistics.median(torch_runs[best_name]) / ours_median,
         "zero_bubble_limit_ms": limit_us / 1e3,
-        "tuned_over_limit": statistics.median(ours) / limit_us,
+        "tuned_over_limit": ours_median / limit_us,
         "plan": [[str(a) for a in r.actions] for r in plan.ranks],
     }
 
@@ -79,26 +108,42 @@ def bench(name: str, steps: int, tiny: bool) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=["jamba-8", "nemotronh-16"])
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--tiny", action="store_true", help="unit-test sizes (a smoke run)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="steps per launch; the first is warm-up")
+    parser.add_argument("--min-gain", type=float, default=0.05, help="also report the plan chosen with this error")
+    parser.add_argument("--tiny", action="store_true", help="unit-test sizes (a smoke run, not a result)")
+    parser.add_argument("--max-load", type=float, default=DEFAULT_MAX_LOAD)
+    parser.add_argument("--force", action="store_true", help="run on a busy machine (recorded in the JSON)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "headline.json")
     args = parser.parse_args()
-    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    if args.rounds < 1 or args.steps < 2:
+        parser.error("give --rounds >= 1 and --steps >= 2 (the first step of each launch is warm-up)")
+    require_quiet(args.max_load, force=args.force)
+    env = Environment(forced=args.force)
     torch.set_num_threads(1)
-    rows = [bench(w, args.steps, args.tiny) for w in args.workloads]
+    rows = [bench(w, args, env) for w in args.workloads]
     print(f"\nheadline: tuned plan vs torch.distributed.pipelining's best (equal layer counts), 2 ranks, m={M}")
     for r in rows:
         print(f"{r['workload']}: tuned = {r['tuned']} (predicted {r['predicted_speedup_over_1f1b']:.3f}x over 1F1B)")
+        print(f"  with --min-gain {args.min_gain}: {r['chosen_with_min_gain']['why']}")
         for schedule, s in r["torch"].items():
-            print(f"  torch {schedule:<28} {s['median_ms']:>8.0f} ms [{s['p10_ms']:.0f}, {s['p90_ms']:.0f}]")
+            print(
+                f"  torch {schedule:<28} {s['median_ms']:>8.0f} ms [{s['p10_ms']:.0f}, {s['p90_ms']:.0f}]"
+                f" ({s['samples']} steps)"
+            )
         o = r["ours"]
-        print(f"  octopipe tuned{'':<21} {o['median_ms']:>8.0f} ms [{o['p10_ms']:.0f}, {o['p90_ms']:.0f}]")
+        print(
+            f"  octopipe tuned{'':<21} {o['median_ms']:>8.0f} ms [{o['p10_ms']:.0f}, {o['p90_ms']:.0f}]"
+            f" ({o['samples']} steps)"
+        )
         print(
             f"  throughput vs torch's best ({r['torch_best']}): {r['throughput_ratio_vs_torch_best']:.3f}x;"
             f" zero-bubble limit {r['zero_bubble_limit_ms']:.0f} ms, tuned / limit {r['tuned_over_limit']:.3f}"
         )
+    record = {"environment": env.finish(), "rounds": args.rounds, "steps": args.steps, "workloads": rows}
+    print(f"load average before {record['environment']['load_average_before']}, after {env.load_after}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=2) + "\n")
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"written: {args.out}")
 
 

@@ -15,7 +15,10 @@ with equal layer counts, and the tuner's plan -- it
 4. measures peak memory per rank with the allocator (``runtime.memory``: one
    extra pipeline step per plan under the profiler's memory events, in a
    separate launch so it never slows a timed step);
-5. prints per cell: predicted, measured median [p10, p90], replayed (the
+5. calibrates the profile in situ (``simulate.calibrate_profile``) from the
+   1F1B and ZB-H1 runs' per-action medians and predicts every plan again
+   (the other five plans are held out: their error is the calibration's);
+6. prints per cell: predicted, measured median [p10, p90], replayed (the
    simulator fed the measured per-action durations: what is left is runtime
    overhead), step-time error, memory predicted / allocator-measured and its
    error; per workload Kendall tau over all plan pairs and over the pairs whose
@@ -47,9 +50,10 @@ from quiet import DEFAULT_MAX_LOAD, Environment, require_quiet
 
 from octopipe.execute.linkprobe import measure_link
 from octopipe.execute.pipeline import compare, layer_names, profile_reference, tune_reference
-from octopipe.execute.runtime import run_local_many, workload_reference
+from octopipe.execute.runtime import run_local_many, timelines_to_proto, workload_reference
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
+from octopipe.simulate import calibrate_profile
 from octopipe.tune import TuneConfig, dualpipe_v, equal_partition, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_v
 
 M, P = 8, 2
@@ -99,10 +103,15 @@ def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environm
     env.record(memory_runs[0].cores)
     runs = run_local_many(plans * args.rounds, steps=args.steps, timeout_s=timeout)
     env.record(runs[0].cores)
+    # in-situ calibration from the two plain 2-stage plans (1F1B: fused backward; ZB-H1: split), every round
+    sources = [1, 3]
+    timelines = [t for i in sources for run in runs[i :: len(plans)] for t in timelines_to_proto(run) if t.step > 0]
+    calibrated = calibrate_profile(profile, plans[1], timelines).profile
     rows: list[dict[str, Any]] = []
     for index, plan in enumerate(plans):
         mine = runs[index :: len(plans)]
         got = compare(plan, profile, mine)
+        after = compare(plan, calibrated, mine)
         memory = memory_runs[index].memory
         measured_memory = [int(memory[r]["peak_bytes"]) for r in range(P)]
         memory_errors = [
@@ -121,6 +130,10 @@ def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environm
                 "replay_ms": got.replay_step_us / 1e3,
                 "step_time_error": got.step_time_error,
                 "signed_error": (got.predicted_step_us - got.measured_step_us) / got.measured_step_us,
+                "calibrated_ms": after.predicted_step_us / 1e3,
+                "calibrated_error": after.step_time_error,
+                "calibrated_signed_error": (after.predicted_step_us - got.measured_step_us) / got.measured_step_us,
+                "calibration_source": index in sources,
                 "predicted_peak_memory_mib": [b / 2**20 for b in got.predicted_memory_bytes],
                 "allocator_peak_memory_mib": [b / 2**20 for b in measured_memory],
                 "allocator_detail": {str(r): memory[r] for r in range(P)},
@@ -152,19 +165,27 @@ def print_table(link: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
         f"\nsimulator fidelity: 2 gloo ranks on 2 distinct cores, m={M}; link {link.latency_us:.0f} us + "
         f"{link.bandwidth_bytes_per_second / 1e9:.2f} GB/s"
     )
-    header = f"{'workload':<13} {'plan':<26} {'pred ms':>8} {'meas ms [p10, p90]':>24} {'replay':>7} {'err':>7}"
+    header = (
+        f"{'workload':<13} {'plan':<26} {'pred ms':>8} {'meas ms [p10, p90]':>24} {'replay':>7} {'err':>7}"
+        f" {'calib':>7} {'err':>7}"
+    )
     print(header + f" {'mem pred/alloc MiB (max rank)':>30} {'mem err':>8}")
-    step_errors, memory_errors = [], []
+    step_errors, memory_errors, calibrated, held_out = [], [], [], []
     for result in results:
         for r in result["rows"]:
             step_errors.append(r["step_time_error"])
+            calibrated.append(r["calibrated_error"])
+            if not r["calibration_source"]:
+                held_out.append(r["calibrated_error"])
             if r["memory_error"] is not None:
                 memory_errors.append(r["memory_error"])
             measured = f"{r['measured_ms']:.0f} [{r['measured_p10_ms']:.0f}, {r['measured_p90_ms']:.0f}]"
             memory = f"{max(r['predicted_peak_memory_mib']):.1f} / {max(r['allocator_peak_memory_mib']):.1f}"
             print(
                 f"{result['workload']:<13} {r['plan']:<26} {r['predicted_ms']:>8.0f} {measured:>24} "
-                f"{r['replay_ms']:>7.0f} {r['signed_error']:>+7.1%} {memory:>30} {r['memory_error']:>8.1%}"
+                f"{r['replay_ms']:>7.0f} {r['signed_error']:>+7.1%} {r['calibrated_ms']:>7.0f}"
+                f"{'*' if r['calibration_source'] else ' '}{r['calibrated_signed_error']:>+6.1%} {memory:>30}"
+                f" {r['memory_error']:>8.1%}"
             )
         tau_all, tau_distinct = result["kendall_tau_all"], result["kendall_tau_distinct"]
         distinct = "n/a" if tau_distinct is None else f"{tau_distinct:.2f}"
@@ -174,11 +195,17 @@ def print_table(link: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
         )
     summary = {
         "step_time_mape": statistics.fmean(step_errors),
+        "calibrated_step_time_mape": statistics.fmean(calibrated),
+        "calibrated_step_time_mape_held_out": statistics.fmean(held_out) if held_out else None,
         "peak_memory_mape": statistics.fmean(memory_errors) if memory_errors else None,
         "cells": len(step_errors),
     }
     memory = "n/a" if summary["peak_memory_mape"] is None else f"{summary['peak_memory_mape']:.1%}"
-    print(f"MAPE over {len(step_errors)} cells: step time {summary['step_time_mape']:.1%}, peak memory {memory}")
+    print(
+        f"MAPE over {len(step_errors)} cells: step time {summary['step_time_mape']:.1%} from the profile, "
+        f"{summary['calibrated_step_time_mape']:.1%} calibrated in situ (* = a calibration source; the others "
+        f"{summary['calibrated_step_time_mape_held_out'] or 0:.1%}), peak memory {memory}"
+    )
     return summary
 
 

@@ -215,10 +215,13 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
         for plan in (tuned.plan, baseline):
             verify_plan(plan, local_cost_model(plan, profile))
 
+        # no plan beats 1F1B by more than the simulator's error: run 1F1B alone, claim no speed-up
+        only_1f1b = _same_schedule(tuned.plan, baseline)
         rounds = f"{config.rounds} round{'s' if config.rounds > 1 else ''}"
-        step = _Step(progress, f"run tuned and 1F1B alternately: {rounds} x {config.steps} steps each")
+        what = "1F1B (the tuner's choice)" if only_1f1b else "tuned and 1F1B alternately"
+        step = _Step(progress, f"run {what}: {rounds} x {config.steps} steps each")
         results = _run_plans(
-            [tuned.plan, baseline] * config.rounds,
+            [baseline] * config.rounds if only_1f1b else [tuned.plan, baseline] * config.rounds,
             config.steps,
             timeout_s=config.timeout_s,
             pin_cores=config.pin_cores,
@@ -226,11 +229,18 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
         step.done(f"ran {len(results)} runs of {config.steps} steps through the embedded coordinator")
 
     # predicted with the tuner's costs (a full backward B costs I + W), so the predicted speed-up is tune's
-    tuned_cmp = pipeline.compare(
-        tuned.plan, profile, results[0::2], costs=pipeline.split_backward_costs(tuned.plan, profile)
-    )
     base_cmp = pipeline.compare(
-        baseline, profile, results[1::2], costs=pipeline.split_backward_costs(baseline, profile)
+        baseline,
+        profile,
+        results if only_1f1b else results[1::2],
+        costs=pipeline.split_backward_costs(baseline, profile),
+    )
+    tuned_cmp = (
+        base_cmp
+        if only_1f1b
+        else pipeline.compare(
+            tuned.plan, profile, results[0::2], costs=pipeline.split_backward_costs(tuned.plan, profile)
+        )
     )
     measured_speedup = pipeline.speedup(base_cmp.measured_step_us, tuned_cmp.measured_step_us)
     predicted_speedup = pipeline.speedup(base_cmp.predicted_step_us, tuned_cmp.predicted_step_us)
@@ -249,6 +259,8 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
         "predicted": {"tuned": estimate_json(tuned.estimate), "baseline_1f1b_equal": estimate_json(tuned.baseline)},
         "comparison": {"tuned": tuned_cmp.as_json(), "baseline_1f1b_equal": base_cmp.as_json()},
         "speedup_over_1f1b_equal": {"measured": measured_speedup, "predicted": predicted_speedup},
+        "ran_1f1b_only": only_1f1b,
+        "fastest_predicted_speedup": tuned.baseline.step_time_us / tuned.fastest_step_us,
         "losses_equal": all(r.losses == results[0].losses for r in results),
         "files": {k: str(v) for k, v in files.items()},
     }
@@ -257,6 +269,12 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
     if console is not None:
         _print_report(console, tuned.plan, profile, tuned.description, tuned_cmp, base_cmp, summary, files)
     return summary
+
+
+def _same_schedule(a: plan_pb2.Plan, b: plan_pb2.Plan) -> bool:
+    """Whether two plans run the same stages on the same ranks in the same order (names aside)."""
+    stages = [(tuple(s.layer_names), s.rank) for s in a.stages] == [(tuple(s.layer_names), s.rank) for s in b.stages]
+    return stages and [list(r.actions) for r in a.ranks] == [list(r.actions) for r in b.ranks]
 
 
 def _write_files(
@@ -372,11 +390,18 @@ def _print_report(
     )
     console.print(f"measured / profiled time per action: {ratios}", highlight=False)
     speed = summary["speedup_over_1f1b_equal"]
-    console.print(
-        f"[bold]speed-up over 1F1B with equal layer counts: {speed['measured']:.2f}x measured[/bold] "
-        f"(predicted {speed['predicted']:.2f}x; same model, alternating runs; "
-        f"losses {'identical' if summary['losses_equal'] else 'DIFFERENT'} across plans)"
-    )
+    if summary["ran_1f1b_only"]:
+        console.print(
+            f"[bold]no plan beats 1F1B by more than the simulator's {summary['min_gain']:.0%} error[/bold] "
+            f"(the fastest predicted {summary['fastest_predicted_speedup']:.2f}x): ran 1F1B with equal layer "
+            f"counts only, no speed-up claimed (--min-gain 0 runs the fastest predicted plan)"
+        )
+    else:
+        console.print(
+            f"[bold]speed-up over 1F1B with equal layer counts: {speed['measured']:.2f}x measured[/bold] "
+            f"(predicted {speed['predicted']:.2f}x; same model, alternating runs; "
+            f"losses {'identical' if summary['losses_equal'] else 'DIFFERENT'} across plans)"
+        )
     console.print("written:", highlight=False)
     for key, path in files.items():
         note = {"trace": "  (open in https://ui.perfetto.dev: simulated and measured ranks)"}.get(key, "")
