@@ -16,7 +16,7 @@ from octopipe.execute.runtime.launcher import RunResult
 from octopipe.ir import action_to_proto, parse_action
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import CostModel, Link, Simulation, to_chrome_trace
+from octopipe.simulate import CostModel, Link, OverlapModel, Simulation, to_chrome_trace
 
 __all__ = [
     "LOCAL_GLOO_LINK",
@@ -38,12 +38,13 @@ LOCAL_GLOO_LINK = Link(latency_us=100.0, bandwidth_bytes_per_second=3.5e9)
 
 def local_cost_model(plan: plan_pb2.Plan, profile: profile_pb2.Profile) -> CostModel:
     """The simulator's costs for a run on local ranks: the profile's layers; its one measured link
-    (all local pairs are alike) for every pair, else ``LOCAL_GLOO_LINK``."""
+    (all local pairs are alike) for every pair, else ``LOCAL_GLOO_LINK``. An OVERLAP_F_B unit costs
+    F + B: a CPU rank computes both halves on its one thread (overlap hides communication only)."""
     link = LOCAL_GLOO_LINK
     if profile.links:
         first = profile.links[0]
         link = Link(latency_us=first.latency_us, bandwidth_bytes_per_second=first.bandwidth_bytes_per_second)
-    return CostModel.from_profile(plan, profile, default_link=link)
+    return CostModel.from_profile(plan, profile, default_link=link, overlap=OverlapModel(hidden_fraction=0.0))
 
 
 def _step_origin(result: RunResult, step: int) -> int:
