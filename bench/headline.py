@@ -1,10 +1,11 @@
 """Headline: the tuned plan vs torch.distributed.pipelining's best schedule, on heterogeneous workloads.
 
 For ``jamba-8`` and ``nemotronh-16`` (shared/benchmarks.md sizes, 2 ranks, m = 8):
-profile the layers and the link on this machine, tune (partition x placement x
-schedule under 1F1B's memory peak; the fastest predicted plan, and the plan
-chosen with ``--min-gain``), then measure, every launch with its 2 ranks pinned
-to 2 distinct cores:
+profile the layers and the link on this machine, calibrate the profile in situ
+(a short run of 1F1B and ZB-H1, ``pipeline.calibrate_in_situ``), tune on it
+(partition x placement x schedule under 1F1B's memory peak; the fastest
+predicted plan, and the plan chosen with ``--min-gain``), then measure, every
+launch with its 2 ranks pinned to 2 distinct cores:
 
 * round 1: every torch schedule class (GPipe, 1F1B, Interleaved1F1B,
   ZBVZeroBubble, DualPipeV) with equal layer counts on torch's own runtime,
@@ -37,9 +38,9 @@ from quiet import DEFAULT_MAX_LOAD, Environment, require_quiet
 from vs_torch import SCHEDULES, percentile, run_torch
 
 from octopipe.execute.linkprobe import measure_link
-from octopipe.execute.pipeline import profile_reference, tune_reference
-from octopipe.execute.runtime import measured_step_times_us, run_local, workload_reference
-from octopipe.tune import TuneConfig
+from octopipe.execute.pipeline import calibrate_in_situ, layer_names, profile_reference, tune_reference
+from octopipe.execute.runtime import measured_step_times_us, run_local, run_local_many, workload_reference
+from octopipe.tune import TuneConfig, equal_partition, one_f_one_b, zb_h1
 
 M, P = 8, 2
 
@@ -57,12 +58,21 @@ def bench(name: str, args: argparse.Namespace, env: Environment) -> dict[str, An
     reference = workload_reference(name, tiny=True, sequence=16) if args.tiny else workload_reference(name)
     link, _ = measure_link()
     profile = profile_reference(reference, num_microbatches=M, num_ranks=P, link=link)
-    tuned = tune_reference(profile, TuneConfig(num_ranks=P, num_microbatches=M, time_budget_s=60.0))
+    timeout = 120.0 if args.tiny else 900.0
+    # calibrate in situ (a short run of 1F1B and ZB-H1 on equal layers), then tune on the calibrated profile
+    names = layer_names(reference)
+    sources = [schedule(P, M, layer_names=equal_partition(names, P)) for schedule in (one_f_one_b, zb_h1)] * 2
+    for source in sources:
+        source.model.CopyFrom(reference)
+    calibration_runs = run_local_many(sources, steps=args.steps, timeout_s=timeout)
+    env.record(calibration_runs[0].cores)
+    in_situ = calibrate_in_situ(profile, list(zip(sources, calibration_runs, strict=True)))
+    uncalibrated = tune_reference(profile, TuneConfig(num_ranks=P, num_microbatches=M, time_budget_s=60.0))
+    tuned = tune_reference(in_situ.profile, TuneConfig(num_ranks=P, num_microbatches=M, time_budget_s=60.0))
     chosen = tune_reference(
-        profile, TuneConfig(num_ranks=P, num_microbatches=M, time_budget_s=60.0, min_gain=args.min_gain)
+        in_situ.profile, TuneConfig(num_ranks=P, num_microbatches=M, time_budget_s=60.0, min_gain=args.min_gain)
     )
     plan = tuned.plan
-    timeout = 120.0 if args.tiny else 900.0
 
     def ours() -> list[float]:
         run = run_local(plan, steps=args.steps, timeout_s=timeout)
@@ -93,6 +103,8 @@ def bench(name: str, args: argparse.Namespace, env: Environment) -> dict[str, An
         "tuned": tuned.description,
         "tuned_predicted_ms": tuned.estimate.step_time_us / 1e3,
         "predicted_speedup_over_1f1b": tuned.speedup,
+        "tuned_on_the_uncalibrated_profile": {"plan": uncalibrated.description, "speedup": uncalibrated.speedup},
+        "calibration": {"latency_us": in_situ.latency_us, "probed_latency_us": link.latency_us},
         "chosen_with_min_gain": {"min_gain": args.min_gain, "plan": chosen.description, "why": chosen.choice},
         "link": {"latency_us": link.latency_us, "bandwidth_bytes_per_second": link.bandwidth_bytes_per_second},
         "ours": summary(measured["octopipe"]),
@@ -124,7 +136,11 @@ def main() -> None:
     rows = [bench(w, args, env) for w in args.workloads]
     print(f"\nheadline: tuned plan vs torch.distributed.pipelining's best (equal layer counts), 2 ranks, m={M}")
     for r in rows:
-        print(f"{r['workload']}: tuned = {r['tuned']} (predicted {r['predicted_speedup_over_1f1b']:.3f}x over 1F1B)")
+        print(
+            f"{r['workload']}: tuned = {r['tuned']} (predicted {r['predicted_speedup_over_1f1b']:.3f}x over 1F1B, "
+            f"calibrated link latency {r['calibration']['latency_us']:.0f} us vs probed "
+            f"{r['calibration']['probed_latency_us']:.0f} us)"
+        )
         print(f"  with --min-gain {args.min_gain}: {r['chosen_with_min_gain']['why']}")
         for schedule, s in r["torch"].items():
             print(

@@ -7,7 +7,8 @@ with equal layer counts, and the tuner's plan -- it
 1. profiles the layers (one thread) and measures the gloo link (ranks pinned to
    two distinct cores, many round trips, medians);
 2. predicts each plan's step with the simulator (``pipeline.compare``'s costs:
-   the profile, the link);
+   the profile, the link); the plans: the six library schedules with equal
+   layer counts, the tuner's plan from the profile and from the calibration;
 3. runs every plan in ONE launch of 2 ranks pinned to 2 distinct cores, the
    plans interleaved (A B C ... A B C ...) for ``--rounds`` rounds of
    ``--steps`` steps each (the first step of each run is warm-up), so drift in
@@ -15,9 +16,11 @@ with equal layer counts, and the tuner's plan -- it
 4. measures peak memory per rank with the allocator (``runtime.memory``: one
    extra pipeline step per plan under the profiler's memory events, in a
    separate launch so it never slows a timed step);
-5. calibrates the profile in situ (``simulate.calibrate_profile``) from the
-   1F1B and ZB-H1 runs' per-action medians and predicts every plan again
-   (the other five plans are held out: their error is the calibration's);
+5. calibrates the profile in situ before the measured rounds
+   (``pipeline.calibrate_in_situ``: layer times from a short separate run of
+   1F1B and ZB-H1, per-action medians, and the link latency that reproduces
+   their steps), tunes again on it ("tuned-calibrated"), and predicts every
+   plan with it too (all out of sample: the measured rounds are other runs);
 6. prints per cell: predicted, measured median [p10, p90], replayed (the
    simulator fed the measured per-action durations: what is left is runtime
    overhead), step-time error, memory predicted / allocator-measured and its
@@ -49,18 +52,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from quiet import DEFAULT_MAX_LOAD, Environment, require_quiet
 
 from octopipe.execute.linkprobe import measure_link
-from octopipe.execute.pipeline import compare, layer_names, profile_reference, tune_reference
-from octopipe.execute.runtime import run_local_many, timelines_to_proto, workload_reference
+from octopipe.execute.pipeline import calibrate_in_situ, compare, layer_names, profile_reference, tune_reference
+from octopipe.execute.runtime import run_local_many, workload_reference
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import calibrate_profile
 from octopipe.tune import TuneConfig, dualpipe_v, equal_partition, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_v
 
 M, P = 8, 2
 WORKLOADS = ["llama-8", "jamba-8", "nemotronh-16", "moe-ep-4"]
 
 
-def plans_for(reference: plan_pb2.ModelReference, profile: profile_pb2.Profile) -> list[plan_pb2.Plan]:
+def library(reference: plan_pb2.ModelReference) -> list[plan_pb2.Plan]:
     names = layer_names(reference)
     two, four = equal_partition(names, P), equal_partition(names, 2 * P)
     plans = [
@@ -73,9 +75,13 @@ def plans_for(reference: plan_pb2.ModelReference, profile: profile_pb2.Profile) 
     ]
     for plan in plans:
         plan.model.CopyFrom(reference)
+    return plans
+
+
+def tuned_plan(profile: profile_pb2.Profile, label: str) -> plan_pb2.Plan:
     tuned = tune_reference(profile, TuneConfig(num_ranks=P, num_microbatches=M, time_budget_s=60.0)).plan
-    tuned.labels["schedule"] = f"tuned {tuned.labels['schedule']}/{tuned.labels.get('placement', '')}"
-    return [*plans, tuned]
+    tuned.labels["schedule"] = f"{label} {tuned.labels['schedule'].split('(')[0]}/{tuned.labels.get('placement', '')}"
+    return tuned
 
 
 def kendall_tau(a: list[float], b: list[float], pairs: list[tuple[int, int]] | None = None) -> float | None:
@@ -97,16 +103,20 @@ def percentile(values: list[float], q: float) -> float:
 def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environment) -> dict[str, Any]:
     reference = workload_reference(name, tiny=True, sequence=16) if args.tiny else workload_reference(name)
     profile = profile_reference(reference, num_microbatches=M, num_ranks=P, link=link)
-    plans = plans_for(reference, profile)
     timeout = 120.0 if args.tiny else 900.0
+    plans = library(reference)
+    # in-situ calibration: a short run of the two plain 2-stage plans (1F1B: fused backward; ZB-H1: split)
+    sources = [plans[1], plans[3]] * 2
+    calibration_runs = run_local_many(sources, steps=args.steps, timeout_s=timeout)
+    env.record(calibration_runs[0].cores)
+    in_situ = calibrate_in_situ(profile, list(zip(sources, calibration_runs, strict=True)))
+    calibrated = in_situ.profile
+    plans += [tuned_plan(profile, "tuned"), tuned_plan(calibrated, "tuned-calibrated")]
     memory_runs = run_local_many(plans, steps=1, timeout_s=timeout, measure_memory=True)
     env.record(memory_runs[0].cores)
+    # every plan measured afresh, interleaved: every prediction (profiled or calibrated) is out of sample
     runs = run_local_many(plans * args.rounds, steps=args.steps, timeout_s=timeout)
     env.record(runs[0].cores)
-    # in-situ calibration from the two plain 2-stage plans (1F1B: fused backward; ZB-H1: split), every round
-    sources = [1, 3]
-    timelines = [t for i in sources for run in runs[i :: len(plans)] for t in timelines_to_proto(run) if t.step > 0]
-    calibrated = calibrate_profile(profile, plans[1], timelines).profile
     rows: list[dict[str, Any]] = []
     for index, plan in enumerate(plans):
         mine = runs[index :: len(plans)]
@@ -133,7 +143,6 @@ def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environm
                 "calibrated_ms": after.predicted_step_us / 1e3,
                 "calibrated_error": after.step_time_error,
                 "calibrated_signed_error": (after.predicted_step_us - got.measured_step_us) / got.measured_step_us,
-                "calibration_source": index in sources,
                 "predicted_peak_memory_mib": [b / 2**20 for b in got.predicted_memory_bytes],
                 "allocator_peak_memory_mib": [b / 2**20 for b in measured_memory],
                 "allocator_detail": {str(r): memory[r] for r in range(P)},
@@ -151,6 +160,12 @@ def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environm
     ]
     return {
         "workload": name,
+        "calibration": {
+            "factors": {str(k): v for k, v in in_situ.factors.items()},
+            "latency_us_per_run": list(in_situ.latencies_us),
+            "latency_us": in_situ.latency_us,
+            "probed_latency_us": link.latency_us,
+        },
         "rows": rows,
         "noise": noise,
         "kendall_tau_all": kendall_tau(predicted, measured),
@@ -170,13 +185,11 @@ def print_table(link: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
         f" {'calib':>7} {'err':>7}"
     )
     print(header + f" {'mem pred/alloc MiB (max rank)':>30} {'mem err':>8}")
-    step_errors, memory_errors, calibrated, held_out = [], [], [], []
+    step_errors, memory_errors, calibrated = [], [], []
     for result in results:
         for r in result["rows"]:
             step_errors.append(r["step_time_error"])
             calibrated.append(r["calibrated_error"])
-            if not r["calibration_source"]:
-                held_out.append(r["calibrated_error"])
             if r["memory_error"] is not None:
                 memory_errors.append(r["memory_error"])
             measured = f"{r['measured_ms']:.0f} [{r['measured_p10_ms']:.0f}, {r['measured_p90_ms']:.0f}]"
@@ -184,7 +197,7 @@ def print_table(link: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
             print(
                 f"{result['workload']:<13} {r['plan']:<26} {r['predicted_ms']:>8.0f} {measured:>24} "
                 f"{r['replay_ms']:>7.0f} {r['signed_error']:>+7.1%} {r['calibrated_ms']:>7.0f}"
-                f"{'*' if r['calibration_source'] else ' '}{r['calibrated_signed_error']:>+6.1%} {memory:>30}"
+                f" {r['calibrated_signed_error']:>+6.1%} {memory:>30}"
                 f" {r['memory_error']:>8.1%}"
             )
         tau_all, tau_distinct = result["kendall_tau_all"], result["kendall_tau_distinct"]
@@ -196,15 +209,13 @@ def print_table(link: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
     summary = {
         "step_time_mape": statistics.fmean(step_errors),
         "calibrated_step_time_mape": statistics.fmean(calibrated),
-        "calibrated_step_time_mape_held_out": statistics.fmean(held_out) if held_out else None,
         "peak_memory_mape": statistics.fmean(memory_errors) if memory_errors else None,
         "cells": len(step_errors),
     }
     memory = "n/a" if summary["peak_memory_mape"] is None else f"{summary['peak_memory_mape']:.1%}"
     print(
         f"MAPE over {len(step_errors)} cells: step time {summary['step_time_mape']:.1%} from the profile, "
-        f"{summary['calibrated_step_time_mape']:.1%} calibrated in situ (* = a calibration source; the others "
-        f"{summary['calibrated_step_time_mape_held_out'] or 0:.1%}), peak memory {memory}"
+        f"{summary['calibrated_step_time_mape']:.1%} calibrated in situ (from separate runs), peak memory {memory}"
     )
     return summary
 

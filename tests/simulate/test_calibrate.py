@@ -6,7 +6,15 @@ import pytest
 
 from octopipe.ir import action_to_proto, parse_action
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import CostModel, Link, calibrate_profile
+from octopipe.simulate import (
+    CostModel,
+    Link,
+    StageCost,
+    calibrate_profile,
+    fit_link_latency,
+    simulate,
+    with_link_latency,
+)
 from octopipe.tune import one_f_one_b, zb_h1
 
 
@@ -64,3 +72,19 @@ def test_fused_backward_run_scales_input_and_weight_alike() -> None:
     assert calibration.factors[1]["F"] == 2.0 and calibration.factors[1]["B"] == 0.5
     with pytest.raises(ValueError, match="not in the profile"):
         calibrate_profile(profile, one_f_one_b(2, 1, layer_names=[["l0"], ["zz"]]), runs)
+
+
+def test_fit_link_latency_reproduces_a_measured_step() -> None:
+    """The latency with which the simulated step equals the measured one; monotone, so bisection finds it."""
+    plan = one_f_one_b(2, 4)
+    costs = CostModel.uniform(
+        num_stages=2, stage=StageCost(forward_us=10.0, full_backward_us=20.0, output_bytes=0), link=Link()
+    )
+    free = simulate(plan, costs).estimate.step_time_us
+    slow = simulate(plan, with_link_latency(costs, 7.0)).estimate.step_time_us
+    assert slow > free
+    latency = fit_link_latency(plan, costs, slow, tolerance_us=0.01)
+    assert latency == pytest.approx(7.0, abs=0.02)
+    assert fit_link_latency(plan, costs, free / 2) == 0.0  # faster than free messages: nothing to add
+    with pytest.raises(ValueError, match="> 0"):
+        fit_link_latency(plan, costs, 0.0)

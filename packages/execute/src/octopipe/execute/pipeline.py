@@ -31,17 +31,27 @@ from octopipe.execute.runtime import (
     build_model,
     local_cost_model,
     measured_step_times_us,
+    median_step_time_us,
     timelines_to_proto,
 )
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import CostModel, Simulation, durations_from_timelines, simulate
+from octopipe.simulate import (
+    CostModel,
+    Simulation,
+    calibrate_profile,
+    durations_from_timelines,
+    fit_link_latency,
+    simulate,
+)
 from octopipe.transform import ProfilerConfig, profile_layers
 from octopipe.tune import TuneConfig, TuneResult, equal_partition, one_f_one_b, tune
 
 __all__ = [
     "Comparison",
+    "InSitu",
     "baseline_plan",
+    "calibrate_in_situ",
     "compare",
     "layer_names",
     "profile_reference",
@@ -278,3 +288,53 @@ def compare(
         run_lengths=lengths,
         slowdown={group: m / p for group, (m, p) in sums.items() if p > 0},
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class InSitu:
+    """A profile calibrated in situ: per-layer action times and the link latency of the pipelined run."""
+
+    profile: profile_pb2.Profile
+    #: stage of the first calibration plan -> measured / profiled per kind (simulate.Calibration.factors)
+    factors: dict[int, dict[str, float]]
+    #: the link latency each calibration run implies (``simulate.fit_link_latency``), and their median
+    latencies_us: tuple[float, ...]
+    latency_us: float
+
+
+def calibrate_in_situ(profile: profile_pb2.Profile, runs: Sequence[tuple[plan_pb2.Plan, RunResult]]) -> InSitu:
+    """Calibrate ``profile`` with a short run of a few plans (same stages; e.g. 1F1B and ZB-H1).
+
+    Layer times: ``simulate.calibrate_profile`` on every run's timelines
+    (warm-up steps left out). Link latency: the median over runs of the
+    latency with which the simulator, fed those times, reproduces the run's
+    median step (``simulate.fit_link_latency``): on CPU ranks a message waits
+    for its channel thread to get the busy core, far longer than an idle probe
+    says. The same calibration serves the tuner, the demo and the closed loop.
+    """
+    if not runs:
+        raise ValueError("give at least one (plan, run) to calibrate with")
+    stages = [tuple(s.layer_names) for s in runs[0][0].stages]
+    if any([tuple(s.layer_names) for s in plan.stages] != stages for plan, _ in runs):
+        raise ValueError("calibration runs must share their stages (e.g. 1F1B and ZB-H1 on the same partition)")
+    timelines = [t for _, run in runs for t in timelines_to_proto(run) if t.step > 0 or len(run.losses) == 1]
+    calibration = calibrate_profile(profile, runs[0][0], timelines)
+    latencies = tuple(
+        fit_link_latency(plan, local_cost_model(plan, calibration.profile), median_step_time_us(run))
+        for plan, run in runs
+    )
+    latency = statistics.median(latencies)
+    calibrated = calibration.profile
+    bandwidth = calibrated.links[0].bandwidth_bytes_per_second if calibrated.links else 3.5e9
+    del calibrated.links[:]
+    ranks = len(runs[0][0].ranks)
+    calibrated.links.extend(
+        profile_pb2.LinkCost(
+            source_rank=a, destination_rank=b, latency_us=latency, bandwidth_bytes_per_second=bandwidth
+        )
+        for a in range(ranks)
+        for b in range(ranks)
+        if a != b
+    )
+    calibrated.labels["calibrated_in_situ"] = ",".join(plan.name for plan, _ in runs)
+    return InSitu(profile=calibrated, factors=calibration.factors, latencies_us=latencies, latency_us=latency)

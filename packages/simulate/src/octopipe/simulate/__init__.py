@@ -36,7 +36,7 @@ from octopipe.ir.errors import (
     MissingInputError,
     VerificationError,
 )
-from octopipe.simulate.calibrate import Calibration, calibrate_profile
+from octopipe.simulate.calibrate import Calibration, calibrate_profile, fit_link_latency, with_link_latency
 from octopipe.simulate.collectives import GroupLinks, all_gather_us, all_reduce_us, all_to_all_us, reduce_scatter_us
 from octopipe.simulate.costs import (
     CostModel,
@@ -86,6 +86,7 @@ __all__ = [
     "build_plan",
     "calibrate_profile",
     "durations_from_timelines",
+    "fit_link_latency",
     "format_action",
     "format_grid",
     "load_plan",
@@ -105,5 +106,6 @@ __all__ = [
     "uniform_profile",
     "validate_plan",
     "verify_plan",
+    "with_link_latency",
     "write_chrome_trace",
 ]

@@ -13,19 +13,29 @@ Per stage: F layers by measured F / profiled F; I and W each by their own
 factor when the run split the backward, else both by measured B / profiled
 (I + W); the fused backward by measured B / profiled fused backward, or when
 the run split it, by the I + W factor.
+
+What the action times do not hold is the cost of each message while the
+ranks compute: on CPU ranks a message waits for its channel thread to get the
+busy core, so a transfer takes far longer than an idle ping-pong says.
+``fit_link_latency`` finds the link latency with which the simulator, fed the
+calibrated costs, reproduces a measured step: one number per run that other
+plans (with more or fewer messages) inherit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from octopipe.ir.actions import ActionKind
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate.costs import durations_from_timelines
+from octopipe.simulate.costs import CostModel, durations_from_timelines
+from octopipe.simulate.links import Link
+from octopipe.simulate.simulator import SimulationConfig, simulate
 
-__all__ = ["Calibration", "calibrate_profile"]
+__all__ = ["Calibration", "calibrate_profile", "fit_link_latency", "with_link_latency"]
 
 _F, _I, _W, _B = ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT, ActionKind.FULL_BACKWARD
 
@@ -85,3 +95,47 @@ def calibrate_profile(
                 cost.full_backward_duration_us *= factor.get("B", 1.0)
         factors[index] = factor
     return Calibration(profile=calibrated, factors=factors)
+
+
+def with_link_latency(costs: CostModel, latency_us: float) -> CostModel:
+    """``costs`` with every link's latency set to ``latency_us`` (bandwidths kept)."""
+
+    def moved(link: Link) -> Link:
+        return dataclasses.replace(link, latency_us=latency_us)
+
+    return dataclasses.replace(
+        costs,
+        links={pair: moved(link) for pair, link in costs.links.items()},
+        default_link=None if costs.default_link is None else moved(costs.default_link),
+    )
+
+
+def fit_link_latency(
+    plan: plan_pb2.Plan, costs: CostModel, measured_step_us: float, *, tolerance_us: float = 1.0
+) -> float:
+    """The link latency with which ``plan``'s simulated step (``costs`` otherwise) equals ``measured_step_us``.
+
+    The step never gets shorter as the latency grows, so a bisection finds it;
+    0 when even free messages give a longer step than measured.
+    """
+    if not measured_step_us > 0:
+        raise ValueError(f"measured_step_us must be > 0, got {measured_step_us}")
+    config = SimulationConfig(enforce_memory_caps=False)
+
+    def step(latency: float) -> float:
+        return simulate(plan, with_link_latency(costs, latency), config=config).estimate.step_time_us
+
+    if step(0.0) >= measured_step_us:
+        return 0.0
+    low, high = 0.0, 100.0
+    while step(high) < measured_step_us:
+        low, high = high, high * 4
+        if high > measured_step_us:  # one message can never take longer than the whole step
+            return high
+    while high - low > tolerance_us:
+        middle = (low + high) / 2
+        if step(middle) < measured_step_us:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
