@@ -6,6 +6,8 @@ its profiled time, messages 400 us): a RunResult holding it must calibrate back 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from octopipe.execute.pipeline import calibrate_in_situ
@@ -42,7 +44,7 @@ def as_run(plan: plan_pb2.Plan, truth: profile_pb2.Profile, steps: int = 2) -> R
     simulation = simulate(plan, local_cost_model(plan, truth))
     run = RunResult(losses=[0.0] * steps)
     for rank in range(len(plan.ranks)):
-        records = [
+        records: list[dict[str, Any]] = [
             {
                 "action": t.action,
                 "stream": t.stream,
