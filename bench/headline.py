@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from quiet import DEFAULT_MAX_LOAD, Environment, require_quiet
+from quiet import Environment, add_arguments, start
 from vs_torch import SCHEDULES, percentile, run_torch
 
 from octopipe.execute.linkprobe import measure_link
@@ -120,18 +120,11 @@ def bench(name: str, args: argparse.Namespace, env: Environment) -> dict[str, An
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=["jamba-8", "nemotronh-16"])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=3, help="steps per launch; the first is warm-up")
     parser.add_argument("--min-gain", type=float, default=0.05, help="also report the plan chosen with this error")
-    parser.add_argument("--tiny", action="store_true", help="unit-test sizes (a smoke run, not a result)")
-    parser.add_argument("--max-load", type=float, default=DEFAULT_MAX_LOAD)
-    parser.add_argument("--force", action="store_true", help="run on a busy machine (recorded in the JSON)")
+    add_arguments(parser, rounds=5, steps=3)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "headline.json")
     args = parser.parse_args()
-    if args.rounds < 1 or args.steps < 2:
-        parser.error("give --rounds >= 1 and --steps >= 2 (the first step of each launch is warm-up)")
-    require_quiet(args.max_load, force=args.force)
-    env = Environment(forced=args.force)
+    env = start(parser, args)
     torch.set_num_threads(1)
     rows = [bench(w, args, env) for w in args.workloads]
     print(f"\nheadline: tuned plan vs torch.distributed.pipelining's best (equal layer counts), 2 ranks, m={M}")

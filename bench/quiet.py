@@ -8,6 +8,7 @@ load before and after and the cores each rank of each run reported.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from typing import Any
 
 from octopipe.execute.runtime.pinning import online_cpus
 
-__all__ = ["Environment", "distinct_cores", "require_quiet"]
+__all__ = ["Environment", "add_arguments", "distinct_cores", "require_quiet", "start"]
 
 #: 1-minute load average above which a timing benchmark does not start (a quiet 2-core machine sits near 0.1-0.5)
 DEFAULT_MAX_LOAD = 0.8
@@ -63,3 +64,20 @@ class Environment:
             "forced_while_busy": self.forced,
             "rank_cores_per_run": self.runs,
         }
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, rounds: int, steps: int) -> None:
+    """The options every timing benchmark shares: rounds, steps, --tiny, --max-load, --force."""
+    parser.add_argument("--rounds", type=int, default=rounds, help=f"interleaved rounds (default {rounds})")
+    parser.add_argument("--steps", type=int, default=steps, help="steps per launch; the first is warm-up")
+    parser.add_argument("--tiny", action="store_true", help="unit-test sizes (a smoke run, not a result)")
+    parser.add_argument("--max-load", type=float, default=DEFAULT_MAX_LOAD)
+    parser.add_argument("--force", action="store_true", help="run on a busy machine (recorded in the JSON)")
+
+
+def start(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Environment:
+    """Check the shared options and the machine; the Environment that records the run."""
+    if args.rounds < 1 or args.steps < 2:
+        parser.error("give --rounds >= 1 and --steps >= 2 (the first step of each launch is warm-up)")
+    require_quiet(args.max_load, force=args.force)
+    return Environment(forced=args.force)

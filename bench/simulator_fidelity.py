@@ -49,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from quiet import DEFAULT_MAX_LOAD, Environment, require_quiet
+from quiet import Environment, add_arguments, start
 
 from octopipe.execute.linkprobe import measure_link
 from octopipe.execute.pipeline import calibrate_in_situ, compare, layer_names, profile_reference, tune_reference
@@ -223,17 +223,10 @@ def print_table(link: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=WORKLOADS)
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
-    parser.add_argument("--steps", type=int, default=2, help="steps per plan and round; the first is warm-up")
-    parser.add_argument("--tiny", action="store_true", help="unit-test sizes (a smoke run, not a result)")
-    parser.add_argument("--max-load", type=float, default=DEFAULT_MAX_LOAD)
-    parser.add_argument("--force", action="store_true", help="run on a busy machine (recorded in the JSON)")
+    add_arguments(parser, rounds=5, steps=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "simulator_fidelity.json")
     args = parser.parse_args()
-    if args.rounds < 1 or args.steps < 2:
-        parser.error("give --rounds >= 1 and --steps >= 2 (the first step of each run is warm-up)")
-    require_quiet(args.max_load, force=args.force)
-    env = Environment(forced=args.force)
+    env = start(parser, args)
     torch.set_num_threads(1)
     link, _ = measure_link()
     results = [bench_workload(w, args, link, env) for w in args.workloads]

@@ -45,7 +45,7 @@ from octopipe.simulate import (
     simulate,
 )
 from octopipe.transform import ProfilerConfig, profile_layers
-from octopipe.tune import TuneConfig, TuneResult, equal_partition, one_f_one_b, tune
+from octopipe.tune import TuneConfig, TuneResult, equal_partition, one_f_one_b, tune, zb_h1
 
 __all__ = [
     "Comparison",
@@ -109,11 +109,20 @@ def profile_reference(
 
 
 def baseline_plan(
-    reference: plan_pb2.ModelReference, *, num_ranks: int, num_microbatches: int, names: Sequence[str] | None = None
+    reference: plan_pb2.ModelReference,
+    *,
+    num_ranks: int,
+    num_microbatches: int,
+    names: Sequence[str] | None = None,
+    schedule: str = "1f1b",
 ) -> plan_pb2.Plan:
-    """1F1B on equal layer counts per stage (one stage per rank) for the model ``reference`` names."""
+    """1F1B (or ``schedule``: "zb-h1") on equal layer counts per stage (one stage per rank) for the model
+    ``reference`` names."""
     chosen = list(names) if names is not None else layer_names(reference)
-    plan = one_f_one_b(num_ranks, num_microbatches, layer_names=equal_partition(chosen, num_ranks))
+    build = {"1f1b": one_f_one_b, "zb-h1": zb_h1}.get(schedule)
+    if build is None:
+        raise ValueError(f"schedule {schedule!r}: use 1f1b or zb-h1")
+    plan = build(num_ranks, num_microbatches, layer_names=equal_partition(chosen, num_ranks))
     plan.model.CopyFrom(reference)
     return plan
 
