@@ -15,6 +15,9 @@ def test_fit_recovers_a_known_line() -> None:
     assert fitted_bandwidth == pytest.approx(bandwidth)
     with pytest.raises(ValueError, match="at least two sizes"):
         fit_link(points[:1])
+    # one slow large transfer (noise) moves the bandwidth, not the latency: the small message's time holds it
+    noisy = [*points[:2], (8 << 20, 2 * points[2][1])]
+    assert fit_link(noisy)[0] == pytest.approx(latency, rel=0.01)
 
 
 @pytest.mark.slow

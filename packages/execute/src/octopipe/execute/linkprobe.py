@@ -56,12 +56,13 @@ def fit_link(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
     if len(points) < 2:
         raise ValueError("need at least two sizes to fit latency and bandwidth")
     ordered = sorted(points)
-    latency = max(0.0, ordered[0][1])
-    xs = [float(b - ordered[0][0]) for b, _ in ordered[1:]]
-    ys = [t - latency for _, t in ordered[1:]]
+    (first_bytes, first_us), rest = ordered[0], ordered[1:]
+    xs = [float(b - first_bytes) for b, _ in rest]
+    ys = [t - first_us for _, t in rest]
     sxx = sum(x * x for x in xs)
     slope = sum(x * y for x, y in zip(xs, ys, strict=True)) / sxx if sxx > 0 else 0.0
     bandwidth = 1e6 / slope if slope > 0 else float("inf")
+    latency = max(0.0, first_us - first_bytes * max(slope, 0.0))  # the smallest message's time, less its bytes
     return latency, bandwidth
 
 
