@@ -91,8 +91,9 @@ class _Channel:
                     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                     self.broken = "timed out" if "imed out" in text else text
             op.error = self.broken
-            op.done.set()
-            del op
+            done = op.done
+            del op  # before the program may see it done: the last reference (and the free) is the program's
+            done.set()
 
     def close(self, timeout_s: float) -> None:
         self.ops.put(None)
