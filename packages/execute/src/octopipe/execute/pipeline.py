@@ -39,6 +39,7 @@ from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import (
     CostModel,
     Simulation,
+    SimulationConfig,
     calibrate_profile,
     durations_from_timelines,
     fit_link_latency,
@@ -265,13 +266,15 @@ def compare(
     if not runs:
         raise ValueError("give at least one run of the plan to compare with")
     costs = costs if costs is not None else local_cost_model(plan, profile)
-    simulation = simulate(plan, costs)
+    # a comparison, not a verification: a cap the plan carries is reported (Estimate.fits), never raised
+    unchecked = SimulationConfig(enforce_memory_caps=False)
+    simulation = simulate(plan, costs, config=unchecked)
     per_run = [measured_step_times_us(run) for run in runs]
     steps = [t for times in per_run for t in times]
     lengths = tuple(len(times) for times in per_run)
     timelines = [t for run in runs for t in timelines_to_proto(run) if t.step > 0 or len(run.losses) == 1]
     durations = durations_from_timelines(timelines)
-    replay = simulate(plan, dataclasses.replace(costs, durations_us=durations))
+    replay = simulate(plan, dataclasses.replace(costs, durations_us=durations), config=unchecked)
     sums: dict[str, list[float]] = {}
     for (stage, kind), measured_us in durations.items():
         group = {"F": "F", "I": "I+W", "W": "I+W", "B": "B"}.get(kind.code)
