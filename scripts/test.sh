@@ -2,7 +2,15 @@
 # The test command: set up, then every quality gate, then the test suite.
 # Extra arguments go to pytest (e.g. scripts/test.sh -m "not slow" -k ir);
 # OCTOPIPE_SKIP_PANTS=1 skips the Pants gate (about 2 minutes on a fresh machine).
+# The default run leaves out the tests marked `extended` (further variants of what
+# a default test checks; CI's 20-minute budget); `--all` (first argument) runs them too.
 set -euo pipefail
+
+selection=(-m "not extended")
+if [[ "${1:-}" == "--all" ]]; then
+  selection=()
+  shift
+fi
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/scripts/setup.sh"
@@ -17,7 +25,7 @@ gate "buf lint" buf lint protos
 gate "buf breaking (against the released baseline)" scripts/buf_breaking.sh
 gate "mypy (all packages)" mypy examples/src packages/capture/src packages/transform/src packages/execute/src tests bench
 gate "mypy --strict (ir, simulate, tune)" mypy --strict packages/ir/src packages/simulate/src packages/tune/src
-gate "pytest" python -m pytest "$@"
+gate "pytest" python -m pytest ${selection[@]+"${selection[@]}"} "$@"
 if [[ "${OCTOPIPE_SKIP_PANTS:-0}" != "1" ]]; then
   gate "pants: package (8 wheels), lint, layering" scripts/pants_check.sh
 fi

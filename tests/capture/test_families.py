@@ -93,9 +93,11 @@ FAMILIES: dict[str, Callable[[str], Any]] = {
     "falcon_h1": falcon_h1,
     "deepseek_v3": deepseek_v3,
 }
+#: eager attention is the same split of another kernel: those variants run with ./scripts/test.sh --all
+EXTENDED = pytest.mark.extended
 CASES = [
     ("gemma3", "sdpa"),
-    ("gemma3", "eager"),
+    pytest.param("gemma3", "eager", marks=EXTENDED),
     ("gpt2", "sdpa"),
     pytest.param(
         "gpt2",
@@ -107,7 +109,7 @@ CASES = [
         ),
     ),
     ("falcon_h1", "sdpa"),
-    ("falcon_h1", "eager"),
+    pytest.param("falcon_h1", "eager", marks=EXTENDED),
     ("deepseek_v3", "sdpa"),
 ]
 

@@ -42,7 +42,7 @@ def halves(names: tuple[str, ...]) -> list[list[str]]:
     return [list(names[: len(names) // 2]), list(names[len(names) // 2 :])]
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", ["sdpa", pytest.param("eager", marks=pytest.mark.extended)])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_hf_llama_whole_model_bitwise(attention: str, tied: bool) -> None:
     torch.manual_seed(0)

@@ -88,3 +88,17 @@ def test_fit_link_latency_reproduces_a_measured_step() -> None:
     assert fit_link_latency(plan, costs, free / 2) == 0.0  # faster than free messages: nothing to add
     with pytest.raises(ValueError, match="> 0"):
         fit_link_latency(plan, costs, 0.0)
+
+
+def test_a_stage_whose_input_needs_no_gradient_scales_i_and_w_together() -> None:
+    """Its I measures ~0 and its W both halves: per-kind factors would be 0 and huge; one shared factor is not."""
+    profile = profile_of(2)
+    profile.layers[0].input_without_gradient = True
+    plan = zb_h1(2, 1, layer_names=[["l0"], ["l1"]])
+    runs = [
+        timeline(0, [("0F0", 10.0), ("0I0", 0.1), ("0W0", 17.9)]),
+        timeline(1, [("1F0", 20.0), ("1I0", 5.0), ("1W0", 4.0)]),
+    ]
+    factors = calibrate_profile(profile, plan, runs).factors
+    assert factors[0]["I"] == factors[0]["W"] == pytest.approx(18.0 / 9.0)
+    assert (factors[1]["I"], factors[1]["W"]) == (1.0, 1.0)

@@ -10,8 +10,9 @@ any plan and partition (the tuner's, the closed loop's): a layer's factor is
 the one of the stage it ran in.
 
 Per stage: F layers by measured F / profiled F; I and W each by their own
-factor when the run split the backward, else both by measured B / profiled
-(I + W); the fused backward by measured B / profiled fused backward, or when
+factor when the run split the backward (both by measured (I + W) / profiled
+(I + W) on a stage whose input needs no gradient: its I does nothing and its W
+both halves' work), else both by measured B / profiled (I + W); the fused backward by measured B / profiled fused backward, or when
 the run split it, by the I + W factor.
 
 What the action times do not hold is the cost of each message while the
@@ -80,9 +81,13 @@ def calibrate_profile(
         if (index, _F) in measured:
             factor["F"] = _ratio(measured[index, _F], forward)
         if (index, _I) in measured and (index, _W) in measured:
-            factor["I"] = _ratio(measured[index, _I], backward_input)
-            factor["W"] = _ratio(measured[index, _W], backward_weight)
-            factor["B"] = _ratio(measured[index, _I] + measured[index, _W], backward_input + backward_weight)
+            both = _ratio(measured[index, _I] + measured[index, _W], backward_input + backward_weight)
+            if mine[0].input_without_gradient:  # I computes nothing there: W did both halves' work
+                factor["I"] = factor["W"] = both
+            else:
+                factor["I"] = _ratio(measured[index, _I], backward_input)
+                factor["W"] = _ratio(measured[index, _W], backward_weight)
+            factor["B"] = both
         if (index, _B) in measured:
             factor["B"] = _ratio(measured[index, _B], fused)
             if "I" not in factor:
