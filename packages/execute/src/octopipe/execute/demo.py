@@ -195,21 +195,6 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
         profile.links.extend(local_links(link, config.ranks))
         step.done(f"link: {link.latency_us:.0f} us + {link.bandwidth_bytes_per_second / 1e9:.2f} GB/s")
 
-        step = _Step(progress, "calibrate in situ: 1F1B and ZB-H1 on equal layers, a short run")
-        sources = [
-            pipeline.baseline_plan(
-                reference, num_ranks=config.ranks, num_microbatches=config.microbatches, names=names, schedule=s
-            )
-            for s in ("1f1b", "zb-h1")
-        ]
-        calibration = _run_plans(sources, 2, timeout_s=config.timeout_s, pin_cores=config.pin_cores)
-        profiled = profile
-        in_situ = pipeline.calibrate_in_situ(profiled, list(zip(sources, calibration, strict=True)))
-        profile = in_situ.profile
-        step.done(
-            f"calibrated: action times x{_factor_range(in_situ.factors)}, message latency {in_situ.latency_us:.0f} us"
-        )
-
         step = _Step(progress, "tune partition x placement x schedule")
 
         def tuning(message: str, evaluations: int, best_us: float) -> None:
@@ -271,11 +256,6 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
         "min_gain": config.min_gain,
         "stages": [{"stage": s.stage_index, "rank": s.rank, "layers": list(s.layer_names)} for s in tuned.plan.stages],
         "link": {"latency_us": link.latency_us, "bandwidth_bytes_per_second": link.bandwidth_bytes_per_second},
-        "calibration": {
-            "factors": {str(k): v for k, v in in_situ.factors.items()},
-            "latency_us": in_situ.latency_us,
-            "latencies_us": list(in_situ.latencies_us),
-        },
         "predicted": {"tuned": estimate_json(tuned.estimate), "baseline_1f1b_equal": estimate_json(tuned.baseline)},
         "comparison": {"tuned": tuned_cmp.as_json(), "baseline_1f1b_equal": base_cmp.as_json()},
         "speedup_over_1f1b_equal": {"measured": measured_speedup, "predicted": predicted_speedup},
@@ -289,11 +269,6 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
     if console is not None:
         _print_report(console, tuned.plan, profile, tuned.description, tuned_cmp, base_cmp, summary, files)
     return summary
-
-
-def _factor_range(factors: dict[int, dict[str, float]]) -> str:
-    values = [v for per_stage in factors.values() for v in per_stage.values()]
-    return f"{min(values):.2f}-{max(values):.2f}" if values else "1"
 
 
 def _same_schedule(a: plan_pb2.Plan, b: plan_pb2.Plan) -> bool:
