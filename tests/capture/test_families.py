@@ -16,83 +16,11 @@ import torch
 
 from octopipe.capture import trace_model
 from tests.capture.whole_model import assert_bitwise, model_reference, run_graph_split
+from tests.hf_models import FAMILIES as HF
+from tests.hf_models import gpt2
 
 transformers = pytest.importorskip("transformers")
-SMALL = {
-    "vocab_size": 96,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
-
-
-def gemma3(attention: str) -> Any:
-    layer_types = ["sliding_attention", "full_attention"] * 2
-    config = transformers.Gemma3TextConfig(
-        **SMALL,
-        head_dim=8,
-        num_hidden_layers=4,
-        sliding_window=4,
-        layer_types=layer_types,
-        attn_implementation=attention,
-    )
-    return transformers.Gemma3ForCausalLM(config)
-
-
-def gpt2(attention: str) -> Any:
-    config = transformers.GPT2Config(
-        vocab_size=96, n_embd=32, n_layer=3, n_head=4, n_positions=16, attn_implementation=attention
-    )
-    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
-    return transformers.GPT2LMHeadModel(config)
-
-
-def falcon_h1(attention: str) -> Any:
-    config = transformers.FalconH1Config(
-        **SMALL,
-        head_dim=8,
-        num_hidden_layers=3,
-        mamba_d_ssm=32,
-        mamba_n_heads=4,
-        mamba_d_head=8,
-        mamba_n_groups=1,
-        mamba_d_state=8,
-        mamba_chunk_size=8,
-        embedding_multiplier=2.0,
-        lm_head_multiplier=0.5,
-        attn_implementation=attention,
-    )
-    return transformers.FalconH1ForCausalLM(config)
-
-
-def deepseek_v3(attention: str) -> Any:
-    config = transformers.DeepseekV3Config(
-        **SMALL,
-        num_hidden_layers=3,
-        first_k_dense_replace=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        moe_intermediate_size=32,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_rope_head_dim=4,
-        qk_nope_head_dim=4,
-        v_head_dim=8,
-        attn_implementation=attention,
-        experts_implementation="batched_mm",
-    )
-    return transformers.DeepseekV3ForCausalLM(config)
-
-
-FAMILIES: dict[str, Callable[[str], Any]] = {
-    "gemma3": gemma3,
-    "gpt2": gpt2,
-    "falcon_h1": falcon_h1,
-    "deepseek_v3": deepseek_v3,
-}
+FAMILIES: dict[str, Callable[[str], Any]] = {name: HF[name] for name in ("gemma3", "gpt2", "falcon_h1", "deepseek_v3")}
 #: eager attention is the same split of another kernel: those variants run with ./scripts/test.sh --all
 EXTENDED = pytest.mark.extended
 CASES = [

@@ -96,3 +96,15 @@ def token_glue(
         return tokens, tokens.roll(1, 1)
 
     return TokenGlue(), batch
+
+
+def family(
+    name: str, attention: str = "sdpa", global_batch: str = "4", sequence: str = "8"
+) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]]]:
+    """Any family of tests/hf_models.py (``FAMILIES``) with the given attention kernel; MoE families in
+    deterministic mode, as their own eager expert gradients need."""
+    models: Any = importlib.import_module("tests.hf_models")  # imported where used: ranks import this module
+
+    if name in models.MOE:
+        torch.use_deterministic_algorithms(True)
+    return models.FAMILIES[name](attention), _batches(int(global_batch), int(sequence))

@@ -12,7 +12,9 @@ from octopipe.execute.runtime import run_local
 from octopipe.execute.runtime.checkpoint import read_checkpoint
 from tests.execute.test_mesh_runtime import mesh_plans
 
-pytestmark = pytest.mark.slow
+# 4 ranks on 2 cores, three launches (about 45 s): checkpoints of plain runs are checked by default
+# (tests/execute/test_control_faults.py resumes bitwise); this mesh variant runs with --all
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 def test_a_moe_mesh_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path: Path) -> None:

@@ -141,3 +141,45 @@ def test_launch_guard_names_a_wrong_stage() -> None:
     wrong = StageExecutable(exe.graphs, exe.split, [p + 1e-3 for p in exe.params], exe.buffers)
     with pytest.raises(NumericsError, match=r"stage 1 \(layers model.layers.2 ... lm_head\) computes output"):
         guard(whole, {0: right[0], 1: wrong}, (microbatch[0], microbatch[1]), built.input_names)
+
+
+#: (family, attention) pairs run on 2 ranks; GPT2 with eager attention is a strict xfail in capture (the last
+#: bits of a few gradients differ) and DeepseekV3's own eager attention fails at this config: both left out
+MATRIX = [
+    (family, attention)
+    for family in (
+        "llama_tied",
+        "llama_untied",
+        "qwen3",
+        "qwen3moe",
+        "olmoe",
+        "gemma3",
+        "gpt2",
+        "falcon_h1",
+        "deepseek_v3",
+    )
+    for attention in ("sdpa", "eager")
+    if (family, attention) not in {("gpt2", "eager"), ("deepseek_v3", "eager")}
+]
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # the default run covers tied Llama, Qwen3-MoE and a plain module (above)
+@pytest.mark.usefixtures("deterministic")
+def test_every_family_on_two_ranks_equals_its_own_training_bitwise() -> None:
+    """One launch, 1F1B, 2 micro-batches, 2 AdamW steps per family and attention kernel: losses, first-step
+    gradients and the weights after the steps equal the model's own eager training bitwise."""
+    m, steps = 2, 2
+    references = [reference("family", name=name, attention=attention) for name, attention in MATRIX]
+    runs = run_local_many(
+        [plan for model_ref in references for plan in plans(model_ref, m, [one_f_one_b])],
+        steps=steps,
+        keep_grads=True,
+        keep_params=True,
+        timeout_s=180,
+    )
+    for (name, attention), model_ref, run in zip(MATRIX, references, runs, strict=True):
+        expected = reference_run(model_ref, num_microbatches=m, steps=steps)
+        assert run.losses == expected.losses, (name, attention)
+        assert_bitwise(expected.grads, run.grads)
+        assert_bitwise(expected.params, run.params)
