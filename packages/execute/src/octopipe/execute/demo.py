@@ -169,7 +169,6 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
     """The whole job; prints tables on ``console`` (None: silent) and returns the JSON summary."""
     from octopipe.execute import pipeline  # noqa: PLC0415
     from octopipe.execute.linkprobe import local_links, measure_link  # noqa: PLC0415
-    from octopipe.execute.runtime import local_cost_model  # noqa: PLC0415
     from octopipe.simulate import verify_plan  # noqa: PLC0415
     from octopipe.tune import TuneConfig  # noqa: PLC0415
 
@@ -212,8 +211,8 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
         baseline = pipeline.baseline_plan(
             reference, num_ranks=config.ranks, num_microbatches=config.microbatches, names=names
         )
-        for plan in (tuned.plan, baseline):
-            verify_plan(plan, local_cost_model(plan, profile))
+        for plan in (tuned.plan, baseline):  # with the costs the tuner set the caps by (B = I + W)
+            verify_plan(plan, pipeline.split_backward_costs(plan, profile))
 
         # no plan beats 1F1B by more than the simulator's error: run 1F1B alone, claim no speed-up
         only_1f1b = _same_schedule(tuned.plan, baseline)
