@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,27 +36,16 @@ from octopipe.capture import trace_model
 from octopipe.execute.runtime.whole_model import guard, whole_model_stages
 from octopipe.execute.runtime.worker import _CaptureCache
 from octopipe.transform import StageExecutable
-from tests.capture.test_families import FAMILIES
-from tests.capture.test_whole_model import moe_model
+from tests.hf_models import FAMILIES as HF
 
-transformers: Any = __import__("transformers")
 REPEATS = 3
-SMALL = {
-    "vocab_size": 96,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 MODELS: dict[str, Callable[[], Any]] = {
-    "Llama (tied), 3 layers": lambda: transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(**SMALL, num_hidden_layers=3, tie_word_embeddings=True)
-    ),
-    "Qwen3MoE (aux loss), 3 layers": lambda: moe_model("qwen3moe", experts_implementation="batched_mm"),
-    "Gemma3, 4 layers": lambda: FAMILIES["gemma3"]("sdpa"),
-    "GPT2, 3 layers": lambda: FAMILIES["gpt2"]("sdpa"),
-    "FalconH1, 3 layers": lambda: FAMILIES["falcon_h1"]("sdpa"),
-    "DeepseekV3, 3 layers": lambda: FAMILIES["deepseek_v3"]("sdpa"),
+    "Llama (tied), 3 layers": partial(HF["llama_tied"], "sdpa"),
+    "Qwen3MoE (aux loss), 3 layers": partial(HF["qwen3moe"], "sdpa"),
+    "Gemma3, 4 layers": partial(HF["gemma3"], "sdpa"),
+    "GPT2, 3 layers": partial(HF["gpt2"], "sdpa"),
+    "FalconH1, 3 layers": partial(HF["falcon_h1"], "sdpa"),
+    "DeepseekV3, 3 layers": partial(HF["deepseek_v3"], "sdpa"),
 }
 NAMES = ("input_ids", "labels")
 

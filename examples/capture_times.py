@@ -12,6 +12,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,27 +22,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from octopipe.capture import check_numerics, split_graph, trace_model
 from octopipe.transform import compile_stage
-from tests.capture.test_families import FAMILIES
-from tests.capture.test_whole_model import moe_model
 from tests.capture.whole_model import example_activations
+from tests.hf_models import FAMILIES as HF
 
-transformers: Any = __import__("transformers")
-SMALL = {
-    "vocab_size": 96,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 MODELS: dict[str, Callable[[], Any]] = {
-    "Llama (tied)": lambda: transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(**SMALL, num_hidden_layers=3, tie_word_embeddings=True)
-    ),
-    "Qwen3MoE (aux loss)": lambda: moe_model("qwen3moe", experts_implementation="batched_mm"),
-    "Gemma3": lambda: FAMILIES["gemma3"]("sdpa"),
-    "GPT2": lambda: FAMILIES["gpt2"]("sdpa"),
-    "FalconH1": lambda: FAMILIES["falcon_h1"]("sdpa"),
-    "DeepseekV3": lambda: FAMILIES["deepseek_v3"]("sdpa"),
+    "Llama (tied)": partial(HF["llama_tied"], "sdpa"),
+    "Qwen3MoE (aux loss)": partial(HF["qwen3moe"], "sdpa"),
+    "Gemma3": partial(HF["gemma3"], "sdpa"),
+    "GPT2": partial(HF["gpt2"], "sdpa"),
+    "FalconH1": partial(HF["falcon_h1"], "sdpa"),
+    "DeepseekV3": partial(HF["deepseek_v3"], "sdpa"),
 }
 
 
