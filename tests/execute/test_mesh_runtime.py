@@ -122,6 +122,7 @@ def test_moe_pp2_dp2_ep2_equals_the_reference() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 4 ranks on 2 cores; pp2 x dp2 x ep2 above runs by default
 def test_moe_pp1_dp4_ep2_sums_expert_gradients_over_the_ep_groups() -> None:
     """ep < dp: two ep groups hold the same experts; REDUCE_GRAD all-reduces their gradients (then / dp)."""
     m = 2
