@@ -14,7 +14,13 @@ from octopipe.node.v1 import node_pb2
 from tests.execute import netns
 from tests.execute.control_cluster import llama_plan
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(netns.unavailable()), reason=netns.unavailable() or "ok")]
+# two network namespaces and a cut link (about 48 s): with ./scripts/test.sh --all (CI budget); the
+# loopback control-plane tests run by default
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.extended,
+    pytest.mark.skipif(bool(netns.unavailable()), reason=netns.unavailable() or "ok"),
+]
 
 
 def test_two_hosts_run_a_plan_and_a_cut_link_stops_everything(tmp_path: Path) -> None:

@@ -105,6 +105,7 @@ def assert_matches_reference(plans: Sequence[plan_pb2.Plan], runs: Sequence[RunR
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 42 s; the MoE pp2 x dp2 x ep2 run below covers dp (and ep) by default
 def test_llama_pp2_dp2_equals_the_reference() -> None:
     plans = mesh_plans("llama-8", ep=1)
     assert any(a.kind.name == "OVERLAP_F_B" for a in rank_actions(plans[3])[0])
@@ -141,6 +142,7 @@ def test_moe_pp1_dp4_ep2_sums_expert_gradients_over_the_ep_groups() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 17 s: a further placement of the same collectives
 def test_a_rank_map_and_the_tuners_collective_placement() -> None:
     """mesh.global_ranks permutes processes (pipeline rank 0's replicas on processes 3 and 1, rank 1's on 0 and
     2); the collectives are placed by the tuner's ``place_collectives`` (all UNSHARDs up front, RESHARD before
