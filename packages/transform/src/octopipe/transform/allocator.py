@@ -63,7 +63,7 @@ class AllocatorPeak:
         results = self._profile.profiler.kineto_results if self._profile.profiler is not None else None
         assert results is not None, "the profiler recorded nothing"
         changes = sorted(
-            (event.start_ns(), event.nbytes())
+            (event.start_ns(), event.nbytes())  # type: ignore[attr-defined]  # in torch, missing from its stubs
             for event in results.events()
             if event.name() == "[memory]" and event.device_type() == DeviceType.CPU
         )
