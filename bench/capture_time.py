@@ -31,8 +31,12 @@ import structlog
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from quiet import require_quiet
 
 from octopipe.capture import trace_model
+from octopipe.execute.runtime.pinning import pin_rank
 from octopipe.execute.runtime.whole_model import guard, whole_model_stages
 from octopipe.execute.runtime.worker import _CaptureCache
 from octopipe.transform import StageExecutable
@@ -108,6 +112,9 @@ def measure(name: str, build: Callable[[], Any], stages: int) -> dict[str, objec
 
 def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))  # the table only
+    force = "--force" in sys.argv[1:]
+    require_quiet(force=force)  # a figure under contention is not a result (--force records that it was)
+    cores, _ = pin_rank(0)  # one core of the machine's online CPUs, as a rank runs
     torch.set_num_threads(1)  # as on every rank
     torch.use_deterministic_algorithms(True)  # as the MoE families need for bitwise guards; the same for all
     load_before = os.getloadavg()[0]
@@ -122,7 +129,14 @@ def main() -> None:
             f"{row['cached_s']:.2f} | {row['step_s']:.3f} | {row['guard_s']:.3f} | {row['guard_per_step']:.2f} |"
         )
     out = Path(__file__).resolve().parent / "results" / "capture_time.json"
-    record = {"repeats": REPEATS, "threads": 1, "load_1min": [load_before, load_after], "rows": rows}
+    record = {
+        "repeats": REPEATS,
+        "threads": 1,
+        "cores": cores,
+        "forced_while_busy": force,
+        "load_1min": [load_before, load_after],
+        "rows": rows,
+    }
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"1-minute load average {load_before:.2f} before, {load_after:.2f} after (2 cores)")
     print(f"wrote {out}")
