@@ -19,11 +19,13 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from octopipe.execute.runtime import Channels, CommTimeout, run_local_many
+from octopipe.execute.pipeline import tune_reference
+from octopipe.execute.runtime import Channels, CommTimeout, local_cost_model, run_local_many
 from octopipe.ir import DeadlockError, PlanError, compile_plan, rank_actions
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate import CostModel, Link, StageCost, simulate, verify_plan
-from octopipe.tune import one_f_one_b, zb_h1
+from octopipe.simulate import CostModel, Link, StageCost, simulate, uniform_profile, verify_plan
+from octopipe.tune import TuneConfig, one_f_one_b, zb_h1
+from octopipe.tune.problem import Layers
 from tests.execute.test_runtime import assert_bitwise, channel_order, make_plan
 from tests.transform.gloo import run_ranks
 
@@ -193,3 +195,30 @@ def test_a_plan_the_verifier_accepts_after_a_move_runs() -> None:
     runs = run_local_many([BASE, accepted], steps=1, keep_grads=True, timeout_s=120, pin_cores=False)
     assert runs[0].losses == runs[1].losses
     assert_bitwise(runs[0].grads, runs[1].grads)
+
+
+def test_a_tuned_plan_means_the_same_to_the_tuner_and_the_verifier() -> None:
+    """The tuner and ``local_cost_model`` sum stages and price links alike: a profile with no measured
+    link is tuned for the local link the verifier checks with (it was tuned for a free link once, and a
+    plan within its cap there went 3072 bytes over on the local link), and a layer's measured full
+    backward (not I + W) prices B on both sides."""
+    names = [f"layers.{i}" for i in range(8)]
+    profile = uniform_profile(names, activation_bytes=4096, output_bytes=1024, parameter_bytes=512)
+    assert not profile.links
+    for index, layer in enumerate(profile.layers):
+        layer.forward_duration_us = 40.0 * (1 + index % 3)
+        layer.backward_input_duration_us = 50.0 * (1 + index % 3)
+        layer.backward_weight_duration_us = 30.0 * (1 + index % 3)
+        layer.full_backward_duration_us = 70.0 * (1 + index % 3)
+        layer.activation_freed_by_backward_input_bytes = 1024
+    for min_gain in (0.0, 0.5):  # the fastest plan, and 1F1B (B actions)
+        tuned = tune_reference(profile, TuneConfig(num_ranks=2, num_microbatches=4, time_budget_s=2, min_gain=min_gain))
+        assert min_gain == 0.0 or tuned.description.startswith("1f1b")
+        checked = simulate(tuned.plan, local_cost_model(tuned.plan, profile)).estimate  # enforces the caps
+        assert checked.step_time_us == tuned.estimate.step_time_us
+        assert [r.peak_memory_bytes for r in checked.ranks] == [r.peak_memory_bytes for r in tuned.estimate.ranks]
+        stages = local_cost_model(tuned.plan, profile).stages
+        sizes = [len(stage.layer_names) for stage in tuned.plan.stages]
+        bounds = [sum(sizes[:s]) for s in range(len(sizes) + 1)]
+        layers = Layers.from_profile(profile)
+        assert [layers.stage_cost(bounds[s], bounds[s + 1]) for s in range(len(sizes))] == list(stages)

@@ -169,6 +169,7 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
     """The whole job; prints tables on ``console`` (None: silent) and returns the JSON summary."""
     from octopipe.execute import pipeline  # noqa: PLC0415
     from octopipe.execute.linkprobe import local_links, measure_link  # noqa: PLC0415
+    from octopipe.execute.runtime import local_cost_model  # noqa: PLC0415
     from octopipe.simulate import verify_plan  # noqa: PLC0415
     from octopipe.tune import TuneConfig  # noqa: PLC0415
 
@@ -211,8 +212,8 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
         baseline = pipeline.baseline_plan(
             reference, num_ranks=config.ranks, num_microbatches=config.microbatches, names=names
         )
-        for plan in (tuned.plan, baseline):  # with the costs the tuner set the caps by (B = I + W)
-            verify_plan(plan, pipeline.split_backward_costs(plan, profile))
+        for plan in (tuned.plan, baseline):  # with the costs the tuner scored and set the caps by
+            verify_plan(plan, local_cost_model(plan, profile))
 
         # no plan beats 1F1B by more than the simulator's error: run 1F1B alone, claim no speed-up
         only_1f1b = _same_schedule(tuned.plan, baseline)
@@ -227,20 +228,9 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
         )
         step.done(f"ran {len(results)} runs of {config.steps} steps through the embedded coordinator")
 
-    # predicted with the tuner's costs (a full backward B costs I + W), so the predicted speed-up is tune's
-    base_cmp = pipeline.compare(
-        baseline,
-        profile,
-        results if only_1f1b else results[1::2],
-        costs=pipeline.split_backward_costs(baseline, profile),
-    )
-    tuned_cmp = (
-        base_cmp
-        if only_1f1b
-        else pipeline.compare(
-            tuned.plan, profile, results[0::2], costs=pipeline.split_backward_costs(tuned.plan, profile)
-        )
-    )
+    # predicted with local_cost_model, the tuner's own costs, so the predicted speed-up is tune's
+    base_cmp = pipeline.compare(baseline, profile, results if only_1f1b else results[1::2])
+    tuned_cmp = base_cmp if only_1f1b else pipeline.compare(tuned.plan, profile, results[0::2])
     measured_speedup = pipeline.speedup(base_cmp.measured_step_us, tuned_cmp.measured_step_us)
     predicted_speedup = pipeline.speedup(base_cmp.predicted_step_us, tuned_cmp.predicted_step_us)
 

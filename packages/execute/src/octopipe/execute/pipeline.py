@@ -30,6 +30,7 @@ from octopipe.execute.runtime import (
     RunResult,
     build_model,
     local_cost_model,
+    local_link,
     measured_step_times_us,
     median_step_time_us,
     timelines_to_proto,
@@ -57,7 +58,6 @@ __all__ = [
     "layer_names",
     "profile_reference",
     "speedup",
-    "split_backward_costs",
     "tune_reference",
 ]
 
@@ -134,10 +134,14 @@ def tune_reference(
     *,
     progress: Callable[[str, int, float], None] | None = None,
 ) -> TuneResult:
-    """``octopipe.tune.tune``, with the tuned plan naming the profile's model (so it can run as is).
+    """``octopipe.tune.tune`` for local ranks, with the tuned plan naming the profile's model (so it can
+    run as is). Unless ``config.default_link`` is set, it tunes with ``runtime.local_link(profile)``, the
+    link ``local_cost_model`` verifies and predicts with.
 
     ``progress(message, simulations, best_step_us)`` is called as the search goes.
     """
+    if config.default_link is None:
+        config = dataclasses.replace(config, default_link=local_link(profile))
     result = tune(profile, config, progress=progress)
     result.plan.model.CopyFrom(profile.model)
     return result
@@ -240,18 +244,6 @@ def _timed(steps: Sequence[float], run_lengths: Sequence[int]) -> list[float]:
         timed += chunk[1:] if len(chunk) > 1 else chunk
         start += length
     return timed
-
-
-def split_backward_costs(plan: plan_pb2.Plan, profile: profile_pb2.Profile) -> CostModel:
-    """The costs the tuner scores with: ``local_cost_model``, but a full backward B costs I + W.
-
-    (The profiler also times each layer's fused backward; the tuner, whose stages
-    change, sums I and W. Use this to predict what ``tune`` predicts.)
-    """
-    costs = local_cost_model(plan, profile)
-    return dataclasses.replace(
-        costs, stages=tuple(dataclasses.replace(stage, full_backward_us=None) for stage in costs.stages)
-    )
 
 
 def compare(

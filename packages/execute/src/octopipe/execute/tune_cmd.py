@@ -113,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
             "give --ranks and --microbatches (one pipeline), or --devices, --global-batch and --memory-cap"
         )
     profile = load_profile(args.profile)
+    from octopipe.execute.runtime import local_link  # noqa: PLC0415 - loads torch
+
     config = TuneConfig(
         num_ranks=args.ranks,
         num_microbatches=args.microbatches,
@@ -123,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         kicks=args.kicks,
         seed=args.seed,
         min_gain=args.min_gain,
+        default_link=local_link(profile),  # the link `octopipe simulate` and `octopipe run` check it with
     )
     result = tune(profile, config) if args.json else _tune_with_progress(profile, config)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,7 @@ from octopipe.simulate.costs import (
     OverlapModel,
     StageCost,
     durations_from_timelines,
+    stage_cost_from_layers,
     stage_scratch,
 )
 from octopipe.simulate.estimate import Estimate, PathStep, RankEstimate
@@ -101,6 +102,7 @@ __all__ = [
     "reduce_scatter_us",
     "save_plan",
     "simulate",
+    "stage_cost_from_layers",
     "stage_scratch",
     "to_chrome_trace",
     "uniform_profile",

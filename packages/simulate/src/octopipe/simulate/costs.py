@@ -28,6 +28,7 @@ __all__ = [
     "OverlapModel",
     "StageCost",
     "durations_from_timelines",
+    "stage_cost_from_layers",
 ]
 
 _TIMED_KINDS = (
@@ -360,7 +361,23 @@ def _stage_cost(
     missing = [name for name in names if name not in layers]
     if missing:
         raise ValueError(f"stage {index}: layers {missing} are not in the profile: profile them or fix the plan")
-    costs = [layers[name] for name in names]
+    try:
+        return stage_cost_from_layers([layers[name] for name in names], collective_bandwidth=collective_bandwidth)
+    except ValueError as exc:
+        raise ValueError(f"stage {index} (layers {list(names)}): {exc}") from None
+
+
+def stage_cost_from_layers(
+    costs: Sequence[profile_pb2.LayerCost], *, collective_bandwidth: float | None = None
+) -> StageCost:
+    """One stage's cost from its layers' LayerCost, in model order: the one place a stage is summed.
+
+    ``CostModel.from_profile`` and the tuner (whose stages change as it
+    searches) both call it, so a tuned plan means the same on both sides.
+    ``collective_bandwidth`` (bytes/s) times UNSHARD and REDUCE_GRAD; None: free.
+    """
+    if not costs:
+        raise ValueError("a stage needs at least one layer")
     saved = sum(c.activation_saved_bytes for c in costs)
     params = sum(c.parameter_bytes for c in costs)
     grads = sum(c.gradient_bytes for c in costs)
@@ -370,36 +387,31 @@ def _stage_cost(
     # a stage whose input needs no gradient (the model's data) has no I to compute: its W back-propagates
     # through the stage itself (the runtime's split graphs do exactly this)
     first = costs[0].input_without_gradient
-    try:
-        return StageCost(
-            forward_us=sum(c.forward_duration_us for c in costs),
-            backward_input_us=0.0 if first else sum(c.backward_input_duration_us for c in costs),
-            backward_weight_us=sum(
-                c.backward_weight_duration_us + (c.backward_input_duration_us if first else 0.0) for c in costs
-            ),
-            full_backward_us=sum(
-                c.full_backward_duration_us
-                if c.HasField("full_backward_duration_us")
-                else c.backward_input_duration_us + c.backward_weight_duration_us
-                for c in costs
-            ),
-            activation_bytes=saved,
-            freed_by_backward_input_bytes=0
-            if first
-            else sum(c.activation_freed_by_backward_input_bytes for c in costs),
-            parameter_bytes=params,
-            gradient_bytes=grads,
-            optimizer_state_bytes=sum(c.optimizer_state_bytes for c in costs),
-            output_bytes=sum(t.size_bytes for t in costs[-1].output_tensors),
-            unshard_us=0.0 if bandwidth is None else params / bandwidth * 1e6,
-            reduce_grad_us=0.0 if bandwidth is None else grads / bandwidth * 1e6,
-            all_to_all_bytes=sum(c.all_to_all_bytes for c in costs),
-            expert_parameter_bytes=sum(c.expert_parameter_bytes for c in costs),
-            kept_for_weight_bytes=0 if first else sum(c.backward_input_kept_bytes for c in costs),
-            **stage_scratch(costs, first=first),
-        )
-    except ValueError as exc:
-        raise ValueError(f"stage {index} (layers {list(names)}): {exc}") from None
+    return StageCost(
+        forward_us=sum(c.forward_duration_us for c in costs),
+        backward_input_us=0.0 if first else sum(c.backward_input_duration_us for c in costs),
+        backward_weight_us=sum(
+            c.backward_weight_duration_us + (c.backward_input_duration_us if first else 0.0) for c in costs
+        ),
+        full_backward_us=sum(
+            c.full_backward_duration_us
+            if c.HasField("full_backward_duration_us")
+            else c.backward_input_duration_us + c.backward_weight_duration_us
+            for c in costs
+        ),
+        activation_bytes=saved,
+        freed_by_backward_input_bytes=0 if first else sum(c.activation_freed_by_backward_input_bytes for c in costs),
+        parameter_bytes=params,
+        gradient_bytes=grads,
+        optimizer_state_bytes=sum(c.optimizer_state_bytes for c in costs),
+        output_bytes=sum(t.size_bytes for t in costs[-1].output_tensors),
+        unshard_us=0.0 if bandwidth is None else params / bandwidth * 1e6,
+        reduce_grad_us=0.0 if bandwidth is None else grads / bandwidth * 1e6,
+        all_to_all_bytes=sum(c.all_to_all_bytes for c in costs),
+        expert_parameter_bytes=sum(c.expert_parameter_bytes for c in costs),
+        kept_for_weight_bytes=0 if first else sum(c.backward_input_kept_bytes for c in costs),
+        **stage_scratch(costs, first=first),
+    )
 
 
 def durations_from_timelines(

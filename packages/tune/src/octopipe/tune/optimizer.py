@@ -31,7 +31,7 @@ from typing import Literal
 from octopipe.ir import validate_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import Estimate, OverlapModel, SimulationConfig, simulate
+from octopipe.simulate import Estimate, Link, OverlapModel, SimulationConfig, simulate
 from octopipe.tune.listsched import ListSchedulerConfig
 from octopipe.tune.problem import (
     FAMILIES,
@@ -80,6 +80,11 @@ class TuneConfig:
     family's best in ``FAMILIES`` order (linear, interleaved-2, interleaved-4,
     v), whose step is within ``1 + min_gain`` of the fastest is returned. 0
     returns the fastest.
+    ``default_link``: the link between rank pairs the profile measured none
+    for. None: the profile's own links, and a free link (no latency, no
+    bandwidth limit) where it has none. Give the link the plan will be checked
+    and run with (``octopipe.execute`` passes its local link), or the tuner
+    plans for a different machine than the verifier checks.
     """
 
     num_ranks: int
@@ -93,6 +98,7 @@ class TuneConfig:
     max_evaluations: int = 3000
     time_budget_s: float = 30.0
     min_gain: float = 0.0
+    default_link: Link | None = None
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -394,7 +400,9 @@ def tune(
     )
     caps = _caps(profile, config, baseline_candidate)
     overlap = OverlapModel(hidden_fraction=config.overlap_hidden_fraction)
-    evaluator = Evaluator(profile, num_ranks=p, num_microbatches=m, memory_caps=caps, overlap=overlap)
+    evaluator = Evaluator(
+        profile, num_ranks=p, num_microbatches=m, memory_caps=caps, overlap=overlap, default_link=config.default_link
+    )
     search = _Search(evaluator, config, progress)
     baseline_plan = evaluator.plan(baseline_candidate, name="1f1b-equal")
     assert baseline_plan is not None
@@ -493,7 +501,9 @@ def _caps(profile: profile_pb2.Profile, config: TuneConfig, baseline: Candidate)
         if missing:
             raise ValueError(f"memory_cap_bytes has no cap for ranks {missing}: give one per rank, or one int")
         return {r: cap[r] for r in range(p)}
-    evaluator = Evaluator(profile, num_ranks=p, num_microbatches=config.num_microbatches, memory_caps={})
+    evaluator = Evaluator(
+        profile, num_ranks=p, num_microbatches=config.num_microbatches, memory_caps={}, default_link=config.default_link
+    )
     plan = evaluator.plan(baseline)
     assert plan is not None
     estimate = evaluator.score_plan(plan, evaluator.cost_model(baseline.bounds)).estimate

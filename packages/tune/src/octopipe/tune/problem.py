@@ -25,7 +25,7 @@ from octopipe.simulate import (
     SimulationConfig,
     StageCost,
     simulate,
-    stage_scratch,
+    stage_cost_from_layers,
 )
 from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
 from octopipe.tune.schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_h2
@@ -117,28 +117,8 @@ class Layers:
         return c.forward_duration_us + c.backward_input_duration_us + c.backward_weight_duration_us
 
     def stage_cost(self, start: int, end: int) -> StageCost:
-        """Layers ``start:end`` as one stage (the first stage's I computes nothing: see simulate's costs)."""
-        costs = self.costs[start:end]
-        saved = sum(c.activation_saved_bytes for c in costs)
-        first = bool(costs) and costs[0].input_without_gradient
-        freed = 0 if first else min(saved, sum(c.activation_freed_by_backward_input_bytes for c in costs))
-        return StageCost(
-            forward_us=sum(c.forward_duration_us for c in costs),
-            backward_input_us=0.0 if first else sum(c.backward_input_duration_us for c in costs),
-            backward_weight_us=sum(
-                c.backward_weight_duration_us + (c.backward_input_duration_us if first else 0.0) for c in costs
-            ),
-            activation_bytes=saved,
-            freed_by_backward_input_bytes=freed,
-            parameter_bytes=sum(c.parameter_bytes for c in costs),
-            gradient_bytes=sum(c.gradient_bytes for c in costs),
-            optimizer_state_bytes=sum(c.optimizer_state_bytes for c in costs),
-            output_bytes=sum(t.size_bytes for t in costs[-1].output_tensors) if costs else 0,
-            all_to_all_bytes=sum(c.all_to_all_bytes for c in costs),
-            expert_parameter_bytes=sum(c.expert_parameter_bytes for c in costs),
-            kept_for_weight_bytes=0 if first else sum(c.backward_input_kept_bytes for c in costs),
-            **stage_scratch(costs, first=first),
-        )
+        """Layers ``start:end`` as one stage: simulate's own sum, so the tuner and the verifier agree."""
+        return stage_cost_from_layers(self.costs[start:end])
 
 
 @dataclass(frozen=True, order=True)

@@ -6,6 +6,7 @@ from octopipe.execute.runtime.launcher import RunFailed, RunResult, run_local, r
 from octopipe.execute.runtime.measure import (
     LOCAL_GLOO_LINK,
     local_cost_model,
+    local_link,
     measured_step_times_us,
     median_step_time_us,
     side_by_side_trace,
@@ -31,6 +32,7 @@ __all__ = [
     "WorkerConfig",
     "build_model",
     "local_cost_model",
+    "local_link",
     "measured_step_times_us",
     "median_step_time_us",
     "reference_run",
