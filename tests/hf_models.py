@@ -22,9 +22,9 @@ def _transformers() -> Any:
     return importlib.import_module("transformers")
 
 
-def llama(attention: str, tied: bool = True) -> Any:
+def llama(attention: str, tied: bool = True, layers: int = 3) -> Any:
     t = _transformers()
-    config = t.LlamaConfig(**SMALL, num_hidden_layers=3, attn_implementation=attention, tie_word_embeddings=tied)
+    config = t.LlamaConfig(**SMALL, num_hidden_layers=layers, attn_implementation=attention, tie_word_embeddings=tied)
     return t.LlamaForCausalLM(config)
 
 
@@ -88,8 +88,10 @@ def falcon_h1(attention: str) -> Any:
 
 def deepseek_v3(attention: str) -> Any:
     t = _transformers()
+    # MLA has as many key/value heads as query heads (DeepSeek-V3: 128 and 128); its eager attention
+    # (no repeat_kv) fails with fewer
     config = t.DeepseekV3Config(
-        **SMALL,
+        **{**SMALL, "num_key_value_heads": SMALL["num_attention_heads"]},
         num_hidden_layers=3,
         first_k_dense_replace=1,
         n_routed_experts=4,

@@ -27,18 +27,11 @@ CASES = [
     ("gemma3", "sdpa"),
     pytest.param("gemma3", "eager", marks=EXTENDED),
     ("gpt2", "sdpa"),
-    pytest.param(
-        "gpt2",
-        "eager",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="loss bitwise, but a few early gradients differ in the last bits from the model's own backward "
-            "(the recorded graph's autograd accumulation order differs); not understood yet",
-        ),
-    ),
+    ("gpt2", "eager"),  # its eager attention multiplies the KV cache's contiguous keys: captured as called
     ("falcon_h1", "sdpa"),
     pytest.param("falcon_h1", "eager", marks=EXTENDED),
     ("deepseek_v3", "sdpa"),
+    pytest.param("deepseek_v3", "eager", marks=EXTENDED),
 ]
 
 

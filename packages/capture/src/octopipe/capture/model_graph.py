@@ -101,15 +101,6 @@ def _loss_of(out: object) -> torch.Tensor:
     )
 
 
-def _extra_kwargs(model: nn.Module) -> dict[str, object]:
-    """``use_cache=False`` where the forward takes it: training keeps no KV cache."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {"use_cache": False} if "use_cache" in params else {}
-
-
 def _stack_paths(node: fx.Node) -> list[str]:
     stack = node.meta.get("nn_module_stack") or {}
     paths = []
@@ -177,7 +168,11 @@ def trace_model(
 
     ``targets`` names the inputs that only the loss reads (default: ``labels``
     when given, else the last input). ``extra`` are non-tensor keyword
-    arguments of the call (default: ``use_cache=False`` where accepted).
+    arguments of the call (default: none, the call exactly as the user makes
+    it). Nothing is added on the user's behalf: ``use_cache=False``, say,
+    changes what a transformers model computes (GPT2's eager attention then
+    multiplies non-contiguous keys, and its gradients differ in the last bits
+    from the user's ``model(input_ids=..., labels=...)``).
     """
     if not inputs:
         raise ValueError("give the model's inputs by name, e.g. inputs={'input_ids': ids, 'labels': ids}")
@@ -189,7 +184,7 @@ def trace_model(
         raise ValueError(f"targets {unknown} are not among the inputs {list(names)}: name the label inputs")
     params = list(model.named_parameters())  # a tied parameter once, under its first name
     buffers = list(model.named_buffers())
-    call = _Call(model, _extra_kwargs(model) if extra is None else extra, [n for n, _ in params + buffers], names)
+    call = _Call(model, extra or {}, [n for n, _ in params + buffers], names)
     state = [p.detach().requires_grad_(p.requires_grad) for _, p in params] + [b for _, b in buffers]
     # distinct tensors per input: one tensor passed twice (input_ids as labels) would become one graph input
     values = [inputs[n].clone() for n in names]
