@@ -6,21 +6,15 @@ reference) after ``torch.manual_seed(seed)``, it returns ``(model, batch(step) -
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 
-VOCAB = 96
-SMALL: dict[str, Any] = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
+from tests.hf_models import FAMILIES, MOE, SMALL, moe
+from tests.hf_models import llama as _llama
+
+VOCAB = SMALL["vocab_size"]
 
 
 def _batches(global_batch: int, sequence: int) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
@@ -34,34 +28,16 @@ def _batches(global_batch: int, sequence: int) -> Callable[[int], tuple[torch.Te
 def llama(
     tied: str = "true", layers: str = "3", global_batch: str = "4", sequence: str = "8"
 ) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]]]:
-    transformers: Any = importlib.import_module("transformers")  # imported where used: ranks import this module
-
-    config = transformers.LlamaConfig(
-        **SMALL, num_hidden_layers=int(layers), tie_word_embeddings=tied == "true", attn_implementation="sdpa"
-    )
-    return transformers.LlamaForCausalLM(config), _batches(int(global_batch), int(sequence))
+    return _llama("sdpa", tied=tied == "true", layers=int(layers)), _batches(int(global_batch), int(sequence))
 
 
 def qwen3_moe(
     global_batch: str = "4", sequence: str = "8"
 ) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]]]:
-    """Qwen3-MoE with its load-balancing loss; deterministic mode, as its own eager expert gradients need."""
-    transformers: Any = importlib.import_module("transformers")  # imported where used: ranks import this module
-
+    """Qwen3-MoE with its load-balancing loss, untied; deterministic mode, as its own eager expert gradients need."""
     torch.use_deterministic_algorithms(True)  # index_put accumulation repeats bitwise only here
-    config = transformers.Qwen3MoeConfig(
-        **SMALL,
-        head_dim=8,
-        num_hidden_layers=3,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        output_router_logits=True,
-        router_aux_loss_coef=0.1,
-        tie_word_embeddings=False,
-        experts_implementation="batched_mm",
-    )
-    return transformers.Qwen3MoeForCausalLM(config), _batches(int(global_batch), int(sequence))
+    model = moe("qwen3moe", "sdpa", experts_implementation="batched_mm", tie_word_embeddings=False)
+    return model, _batches(int(global_batch), int(sequence))
 
 
 class TokenGlue(nn.Module):
@@ -103,8 +79,6 @@ def family(
 ) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]]]:
     """Any family of tests/hf_models.py (``FAMILIES``) with the given attention kernel; MoE families in
     deterministic mode, as their own eager expert gradients need."""
-    models: Any = importlib.import_module("tests.hf_models")  # imported where used: ranks import this module
-
-    if name in models.MOE:
+    if name in MOE:
         torch.use_deterministic_algorithms(True)
-    return models.FAMILIES[name](attention), _batches(int(global_batch), int(sequence))
+    return FAMILIES[name](attention), _batches(int(global_batch), int(sequence))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from octopipe.capture import pipeline_spec
+from octopipe.capture import pipeline_spec, trace_model
 from octopipe.execute.linkprobe import local_links
 from octopipe.execute.runtime import (
     RunResult,
@@ -35,6 +35,8 @@ from octopipe.execute.runtime import (
     median_step_time_us,
     timelines_to_proto,
 )
+from octopipe.execute.runtime.models import model_inputs
+from octopipe.execute.runtime.whole_model import whole_model_stages
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import (
@@ -46,7 +48,7 @@ from octopipe.simulate import (
     fit_link_latency,
     simulate,
 )
-from octopipe.transform import ProfilerConfig, profile_layers
+from octopipe.transform import ProfilerConfig, profile_layers, profile_stages
 from octopipe.tune import TuneConfig, TuneResult, equal_partition, one_f_one_b, tune, zb_h1
 
 __all__ = [
@@ -63,8 +65,14 @@ __all__ = [
 
 
 def layer_names(reference: plan_pb2.ModelReference) -> list[str]:
-    """The pipeline layers of the model ``reference`` names, in execution order."""
-    return list(pipeline_spec(build_model(reference).model).names)
+    """The pipeline layers of the model ``reference`` names, in execution order (a model captured whole:
+    the layers of its traced forward, as the runtime splits it)."""
+    built = build_model(reference)
+    if built.input_names is None:
+        return list(pipeline_spec(built.model).names)
+    inputs, targets = built.batch(0)
+    names = built.input_names
+    return list(trace_model(built.model, model_inputs(names, inputs, targets), targets=[names[1]]).layers)
 
 
 def profile_reference(
@@ -94,15 +102,27 @@ def profile_reference(
             f"a global batch of {inputs.shape[0]} does not split into {num_microbatches} micro-batches: "
             "choose a micro-batch count that divides it"
         )
+    links = local_links(link, num_ranks) if link is not None else ()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        if built.input_names is not None:  # captured whole: time the graphs the runtime runs, one layer each
+            whole = whole_model_stages(built.model, built.input_names, (inputs[:size], targets[:size]))
+            return profile_stages(
+                whole.stages,
+                whole.examples,
+                [stage.layer_names[0] for stage in whole.stages],
+                microbatch_size=size,
+                config=ProfilerConfig(repeats=repeats),
+                links=links,
+                model_reference=reference,
+            )
         return profile_layers(
             built.model,
             inputs[:size],
             targets[:size],
             config=ProfilerConfig(repeats=repeats),
-            links=local_links(link, num_ranks) if link is not None else (),
+            links=links,
             model_reference=reference,
         )
     finally:

@@ -26,7 +26,7 @@ from octopipe.transform.fsdp import ShardConfig, ShardSpec, shard_parameters, sh
 from octopipe.transform.fsdp_split import NOT_HANDLED, FSDPGraphs, FSDPStage, ParamChain, compile_fsdp_stage, split_fsdp
 from octopipe.transform.multiplexing import CommOverlap, Multiplexed, OverlapReport, Simulation, multiplex, simulate
 from octopipe.transform.overlap import OverlapResult, OverlapStage
-from octopipe.transform.profiler import ProfilerConfig, format_profile, profile_layers, storage_bytes
+from octopipe.transform.profiler import ProfilerConfig, format_profile, profile_layers, profile_stages, storage_bytes
 
 try:
     __version__ = version("octopipe-transform")
@@ -63,6 +63,7 @@ __all__ = [
     "multiplex",
     "profile_costs",
     "profile_layers",
+    "profile_stages",
     "roofline_costs",
     "shard_parameters",
     "shard_specs",

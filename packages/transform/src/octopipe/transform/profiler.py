@@ -24,7 +24,7 @@ from octopipe.profile.v1 import profile_pb2
 from octopipe.transform.allocator import AllocatorPeak
 from octopipe.transform.executable import StageExecutable
 
-__all__ = ["ProfilerConfig", "format_profile", "profile_layers", "storage_bytes"]
+__all__ = ["ProfilerConfig", "format_profile", "profile_layers", "profile_stages", "storage_bytes"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -88,17 +88,11 @@ def profile_layers(
     links: Sequence[profile_pb2.LinkCost] = (),
     model_reference: plan_pb2.ModelReference | None = None,
 ) -> profile_pb2.Profile:
-    """Profile every layer of ``model`` for one micro-batch (``inputs``, ``target``)."""
+    """Profile every layer of ``model`` (its layer list) for one micro-batch (``inputs``, ``target``)."""
     config = config or ProfilerConfig()
     spec = _spec_of(model, spec)
     kind_of = layer_kind or getattr(model, "layer_kind", None) or (lambda name: "layer")
-    profile = profile_pb2.Profile(device="cpu", microbatch_size=int(inputs.shape[0]))
-    if model_reference is not None:
-        profile.model.CopyFrom(model_reference)
-    profile.labels["torch"] = torch.__version__
-    profile.labels["threads"] = str(torch.get_num_threads())
-    profile.labels["repeats"] = str(config.repeats)
-    profile.links.extend(links)
+    profile = _new_profile(int(inputs.shape[0]), config, links, model_reference)
     x = inputs
     count = len(spec.layers)
     for index, layer in enumerate(spec.layers):
@@ -107,42 +101,104 @@ def profile_layers(
         stage_inputs = [x, target] if last else [x]
         graphs = capture_stage(stage, stage_inputs, stage_index=index)
         exe = StageExecutable.from_module(stage, graphs)
-        cost = _layer_cost(exe, stage_inputs, config)
-        cost.layer_name = layer.name
-        cost.layer_type = kind_of(layer.name)
-        cost.input_without_gradient = index == 0  # the model's data: a stage starting here has no I to compute
+        profile.layers.append(_profiled(exe, stage_inputs, config, layer.name, kind_of(layer.name), index, last))
         with torch.no_grad():
-            out = stage(*stage_inputs)
-        if not last:
+            x = stage(*stage_inputs)
+    return profile
+
+
+def profile_stages(
+    stages: Sequence[nn.Module],
+    examples: Sequence[Sequence[torch.Tensor]],
+    layer_names: Sequence[str],
+    *,
+    microbatch_size: int,
+    config: ProfilerConfig | None = None,
+    layer_kind: Callable[[str], str] | None = None,
+    links: Sequence[profile_pb2.LinkCost] = (),
+    model_reference: plan_pb2.ModelReference | None = None,
+) -> profile_pb2.Profile:
+    """Profile one-layer stages cut from a whole-model graph (``octopipe.capture.split_graph``, one
+    layer per stage), each on its example inputs: the graphs the runtime runs for a model captured as
+    written. A stage may take and return several tensors (hidden states, router logits, token ids);
+    ``output_tensors`` lists every boundary output, the backward seeds only those with a gradient."""
+    if not len(stages) == len(examples) == len(layer_names):
+        raise ValueError(
+            f"{len(stages)} stages, {len(examples)} example input lists and {len(layer_names)} layer names: "
+            "give one of each per layer"
+        )
+    config = config or ProfilerConfig()
+    kind_of = layer_kind or (lambda name: "layer")
+    profile = _new_profile(microbatch_size, config, links, model_reference)
+    for index, (stage, inputs, name) in enumerate(zip(stages, examples, layer_names, strict=True)):
+        exe = StageExecutable.from_module(stage, capture_stage(stage, list(inputs), stage_index=index))
+        last = index == len(stages) - 1
+        profile.layers.append(_profiled(exe, list(inputs), config, name, kind_of(name), index, last))
+    return profile
+
+
+def _new_profile(
+    microbatch_size: int,
+    config: ProfilerConfig,
+    links: Sequence[profile_pb2.LinkCost],
+    model_reference: plan_pb2.ModelReference | None,
+) -> profile_pb2.Profile:
+    profile = profile_pb2.Profile(device="cpu", microbatch_size=microbatch_size)
+    if model_reference is not None:
+        profile.model.CopyFrom(model_reference)
+    profile.labels["torch"] = torch.__version__
+    profile.labels["threads"] = str(torch.get_num_threads())
+    profile.labels["repeats"] = str(config.repeats)
+    profile.links.extend(links)
+    return profile
+
+
+def _profiled(
+    exe: StageExecutable,
+    inputs: list[torch.Tensor],
+    config: ProfilerConfig,
+    name: str,
+    kind: str,
+    index: int,
+    last: bool,
+) -> profile_pb2.LayerCost:
+    cost = _layer_cost(exe, inputs, config)
+    cost.layer_name = name
+    cost.layer_type = kind
+    cost.input_without_gradient = index == 0  # the model's data: a stage starting here has no I to compute
+    if not last:
+        outputs, _ = exe.forward_all(inputs)
+        for out in outputs:
             cost.output_tensors.add(
                 shape=list(out.shape),
                 dtype=str(out.dtype).removeprefix("torch."),
                 size_bytes=out.numel() * out.element_size(),
             )
-        profile.layers.append(cost)
-        x = out
-    return profile
+    return cost
 
 
 def _layer_cost(exe: StageExecutable, inputs: list[torch.Tensor], config: ProfilerConfig) -> profile_pb2.LayerCost:
     state: dict[str, object] = {}
     static = [*exe.params, *exe.buffers]
 
+    flags = exe.graphs.output_requires_grad
+
+    def seeds() -> list[torch.Tensor | None]:  # a gradient of ones for each output that carries one
+        outs = state["out"]
+        assert isinstance(outs, list)
+        return [torch.ones_like(o) if needed else None for o, needed in zip(outs, flags, strict=True)]
+
     def forward() -> None:
-        state["out"], state["ctx"] = exe.forward(inputs)
+        state["out"], state["ctx"] = exe.forward_all(inputs)
 
     def backward_input() -> None:
-        out = state["out"]
-        assert isinstance(out, torch.Tensor)
-        state["grads"], state["wctx"] = exe.backward_input(state["ctx"], torch.ones_like(out))  # type: ignore[arg-type]
+        state["grads"], state["wctx"] = exe.backward_input_all(state["ctx"], seeds())  # type: ignore[arg-type]
 
     def backward_weight() -> None:
         exe.backward_weight(state["wctx"])  # type: ignore[arg-type]
 
     def full() -> None:
-        out = state["out"]
-        assert isinstance(out, torch.Tensor)
-        exe.full_backward(state["ctx"], torch.ones_like(out))  # type: ignore[arg-type]
+        exe.full_backward_all(state["ctx"], seeds())  # type: ignore[arg-type]
 
     def nothing() -> None:
         return None
@@ -172,8 +228,8 @@ def _layer_cost(exe: StageExecutable, inputs: list[torch.Tensor], config: Profil
     outside = [*static, *inputs]
     saved_before: list[torch.Tensor] = []  # what F saved, before I runs (I's own tensors are the others)
 
-    def forward_kept() -> int:  # the output and what F saved (the inputs and parameters are not F's)
-        return storage_bytes([state["out"], *(state["ctx"].saved or [])], exclude=outside)  # type: ignore[attr-defined]
+    def forward_kept() -> int:  # the outputs and what F saved (the inputs and parameters are not F's)
+        return storage_bytes([*state["out"], *(state["ctx"].saved or [])], exclude=outside)  # type: ignore[attr-defined,misc]
 
     def input_kept() -> int:  # the input gradients and what I made for W
         made = [*state["grads"], *(state["wctx"].tensors or [])]  # type: ignore[attr-defined,misc]

@@ -82,11 +82,14 @@ def whole_model_stages(
     model: nn.Module,
     names: tuple[str, str],
     microbatch: tuple[torch.Tensor, torch.Tensor],
-    partition: Sequence[Sequence[str]],
+    partition: Sequence[Sequence[str]] | None = None,
 ) -> WholeModelStages:
-    """Capture ``model(**{names[0]: inputs, names[1]: targets})`` once and split it at ``partition``."""
+    """Capture ``model(**{names[0]: inputs, names[1]: targets})`` once and split it at ``partition``
+    (None: one stage per layer, as the profiler times them)."""
     inputs = model_inputs(names, *microbatch)
     graph = trace_model(model, inputs, targets=[names[1]])
+    if partition is None:
+        partition = [[layer] for layer in graph.layers]
     stages = split_graph(graph, partition, allow_tied=True)
     values = [inputs[n] for n in stages[0].boundary_names]
     examples = []
