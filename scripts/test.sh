@@ -25,7 +25,8 @@ gate "buf lint" buf lint protos
 gate "buf breaking (against the released baseline)" scripts/buf_breaking.sh
 gate "mypy (all packages)" mypy examples/src packages/capture/src packages/transform/src packages/execute/src tests bench
 gate "mypy --strict (ir, simulate, tune)" mypy --strict packages/ir/src packages/simulate/src packages/tune/src
-gate "pytest" python -m pytest ${selection[@]+"${selection[@]}"} "$@"
+# the slowest tests are listed at the end, to keep CI's 20-minute budget in view
+gate "pytest" python -m pytest --durations=25 ${selection[@]+"${selection[@]}"} "$@"
 if [[ "${OCTOPIPE_SKIP_PANTS:-0}" != "1" ]]; then
   gate "pants: package (8 wheels), lint, layering" scripts/pants_check.sh
 fi

@@ -108,7 +108,7 @@ def profile_reference(
     try:
         if built.input_names is not None:  # captured whole: time the graphs the runtime runs, one layer each
             whole = whole_model_stages(built.model, built.input_names, (inputs[:size], targets[:size]))
-            return profile_stages(
+            profile = profile_stages(
                 whole.stages,
                 whole.examples,
                 [stage.layer_names[0] for stage in whole.stages],
@@ -117,6 +117,15 @@ def profile_reference(
                 links=links,
                 model_reference=reference,
             )
+            for tie in whole.ties:  # one layer per stage: the stages that hold it are its layers
+                stage, name = tie.uses[0]
+                weight = whole.stages[stage].get_parameter(name)
+                profile.tied_parameters.add(
+                    name=tie.name,
+                    size_bytes=weight.numel() * weight.element_size(),
+                    layer_names=[whole.stages[s].layer_names[0] for s in tie.stages],
+                )
+            return profile
         return profile_layers(
             built.model,
             inputs[:size],

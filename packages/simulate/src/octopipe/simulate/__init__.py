@@ -43,9 +43,11 @@ from octopipe.simulate.costs import (
     Link,
     OverlapModel,
     StageCost,
+    TiedExchange,
     durations_from_timelines,
     stage_cost_from_layers,
     stage_scratch,
+    tied_exchanges,
 )
 from octopipe.simulate.estimate import Estimate, PathStep, RankEstimate
 from octopipe.simulate.profiles import uniform_profile
@@ -79,6 +81,7 @@ __all__ = [
     "SimulationConfig",
     "StageCost",
     "StageSpec",
+    "TiedExchange",
     "VerificationError",
     "__version__",
     "all_gather_us",
@@ -104,6 +107,7 @@ __all__ = [
     "simulate",
     "stage_cost_from_layers",
     "stage_scratch",
+    "tied_exchanges",
     "to_chrome_trace",
     "uniform_profile",
     "validate_plan",

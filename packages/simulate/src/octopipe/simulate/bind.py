@@ -80,6 +80,10 @@ class Bound:
     transfer_bytes: list[int]
     static_bytes: list[int]
     microbatch_size: int
+    #: the tied-parameter exchange after every rank's last action (CostModel.tied): its duration and, per
+    #: rank, the broadcast buffers it holds meanwhile
+    tail_us: float = 0.0
+    tail_bytes: tuple[int, ...] = ()
 
 
 def bind(program: Program, costs: CostModel) -> Bound:
@@ -116,6 +120,12 @@ def bind(program: Program, costs: CostModel) -> Bound:
     # a stage's first W (or B) in the step returns the gradients that become its accumulated ones, which the
     # static bytes already count: only later ones hold a second, transient copy
     gradient_bytes = [stage.gradient_bytes for stage in costs.stages]
+    # a tied parameter's holder keeps each micro-batch's gradient apart (the exchange needs them): every W
+    # (or B) after the stage's first keeps one more copy until the step ends
+    tied_bytes = [0] * num_stages
+    for exchange in costs.tied:
+        for stage in exchange.stages:
+            tied_bytes[stage] += exchange.size_bytes
     overlap_cache: dict[tuple[int, int, int], float] = {}
     durations, allocs, frees, unsharded, scratch = [], [], [], [], []
     for row in program.labels:
@@ -131,13 +141,17 @@ def bind(program: Program, costs: CostModel) -> Bound:
                 stage = label[1]
                 d_row[step] = table[stage, kind]
                 s_row[step] = scratch_by_kind[kind][stage]
-                if kind in (W, B) and stage not in accumulating:
-                    accumulating.add(stage)
-                    s_row[step] = max(0, s_row[step] - gradient_bytes[stage])
+                kept_apart = 0
+                if kind in (W, B):
+                    if stage in accumulating:
+                        kept_apart = tied_bytes[stage]
+                    else:
+                        accumulating.add(stage)
+                        s_row[step] = max(0, s_row[step] - gradient_bytes[stage])
                 if kind == F:
                     a_row[step] = saved[stage]
                 else:
-                    a_row[step] = kept[stage] if kind == I else 0
+                    a_row[step] = (kept[stage] if kind == I else 0) + kept_apart
                     f_row[step] = frees_by_kind[kind][stage]
             elif kind == OVERLAP:
                 key = (label[1], label[4], label[3])
@@ -149,7 +163,9 @@ def bind(program: Program, costs: CostModel) -> Bound:
                 a_row[step] = saved[label[1]] + (kept[label[4]] if label[3] == I else 0)
                 f_row[step] = frees_by_kind[label[3]][label[4]]
                 backward = scratch_by_kind[label[3]][label[4]]
-                if label[3] in (W, B) and label[4] not in accumulating:
+                if label[3] in (W, B) and label[4] in accumulating:
+                    a_row[step] += tied_bytes[label[4]]
+                elif label[3] in (W, B):
                     accumulating.add(label[4])
                     backward = max(0, backward - gradient_bytes[label[4]])
                 s_row[step] = scratch_by_kind[F][label[1]] + backward
@@ -184,7 +200,10 @@ def bind(program: Program, costs: CostModel) -> Bound:
             _hold_gradients(program, rank, stage, gradients, unsharded[rank], released[rank])
         else:
             static[rank] += cost.static_bytes
+    tail_us, tail_bytes = _tied_tail(program, costs)
     return Bound(
+        tail_us=tail_us,
+        tail_bytes=tail_bytes,
         durations=durations,
         allocs=allocs,
         frees=frees,
@@ -270,3 +289,20 @@ def _hold_gradients(program: Program, rank: int, stage: int, size: int, taken: l
         elif kind == REDUCE_GRAD and label[1] == stage and first >= 0:
             given[step] += size
             return
+
+
+def _tied_tail(program: Program, costs: CostModel) -> tuple[float, tuple[int, ...]]:
+    """The closing exchange of tied gradients: one broadcast of m x size per holding stage, over every
+    rank (timed by the slowest link from the holder), and the buffers every rank holds meanwhile."""
+    if not costs.tied:
+        return 0.0, ()
+    m, ranks = program.num_microbatches, program.num_ranks
+    tail_us, held = 0.0, 0
+    for exchange in costs.tied:
+        size = m * exchange.size_bytes
+        for stage in exchange.stages:
+            source = program.placement[stage]
+            others = [r for r in range(ranks) if r != source]
+            tail_us += max((costs.link(source, r).transfer_us(size) for r in others), default=0.0)
+            held += size
+    return tail_us, (held,) * ranks

@@ -27,8 +27,10 @@ __all__ = [
     "Link",
     "OverlapModel",
     "StageCost",
+    "TiedExchange",
     "durations_from_timelines",
     "stage_cost_from_layers",
+    "tied_exchanges",
 ]
 
 _TIMED_KINDS = (
@@ -168,6 +170,40 @@ class OverlapModel:
 
 
 @dataclass(kw_only=True, frozen=True)
+class TiedExchange:
+    """A parameter several stages hold (tied embeddings): each keeps a copy, keeps its gradient per
+    micro-batch (not a running sum), and after the last action of the step every rank joins one
+    broadcast of ``num_microbatches x size_bytes`` per holding stage, later stages first; each rank
+    then adds them up in eager autograd's order (``octopipe.execute.runtime.whole_model.reduce_tied``)."""
+
+    name: str
+    size_bytes: int
+    #: the holding stages, ascending (at least two)
+    stages: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.size_bytes < 0 or len(self.stages) < 2 or list(self.stages) != sorted(set(self.stages)):
+            raise ValueError(
+                f"TiedExchange {self.name!r}: needs size_bytes >= 0 and two or more distinct stages in "
+                f"ascending order, got {self.size_bytes} and {self.stages}"
+            )
+
+
+def tied_exchanges(
+    tied: Iterable[profile_pb2.TiedParameter], stage_layers: Sequence[Sequence[str]]
+) -> tuple[TiedExchange, ...]:
+    """The profile's tied parameters as exchanges between the stages (each a list of layer names) that
+    hold them; a parameter all of whose layers fall in one stage is an ordinary parameter there."""
+    stage_of = {name: s for s, names in enumerate(stage_layers) for name in names}
+    out = []
+    for parameter in tied:
+        stages = sorted({stage_of[name] for name in parameter.layer_names if name in stage_of})
+        if len(stages) > 1:
+            out.append(TiedExchange(name=parameter.name, size_bytes=parameter.size_bytes, stages=tuple(stages)))
+    return tuple(out)
+
+
+@dataclass(kw_only=True, frozen=True)
 class CostModel:
     """Per-stage costs, links and overlap model: everything the simulator times.
 
@@ -186,6 +222,9 @@ class CostModel:
     are added to F, I and B. Measured ``durations_us`` still win. Without it
     (or without a mesh) the StageCost's ``unshard_us`` / ``reduce_grad_us``
     apply, as before.
+
+    ``tied``: parameters several stages hold (see :class:`TiedExchange`),
+    which add the step's closing exchange and its buffers.
     """
 
     stages: tuple[StageCost, ...]
@@ -196,10 +235,14 @@ class CostModel:
     fused_us: Mapping[tuple[int, int], float] = field(default_factory=dict)
     microbatch_size: int = 1
     collectives: GroupLinks | None = None
+    tied: tuple[TiedExchange, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.stages:
             raise ValueError("CostModel.stages is empty: give one StageCost per stage of the plan")
+        for exchange in self.tied:
+            if exchange.stages[-1] >= len(self.stages):
+                raise ValueError(f"TiedExchange {exchange.name!r}: stage {exchange.stages[-1]} is not in the model")
         if self.microbatch_size < 1:
             raise ValueError(f"CostModel.microbatch_size must be >= 1, got {self.microbatch_size}")
         for (stage, kind), value in self.durations_us.items():
@@ -269,6 +312,7 @@ class CostModel:
             fused_us=fused,
             microbatch_size=max(1, profile.microbatch_size),
             collectives=GroupLinks.from_profile(profile),
+            tied=tied_exchanges(profile.tied_parameters, stage_layers),
         )
 
     def link(self, source: int, destination: int) -> Link:

@@ -76,6 +76,10 @@ def memory_events(program: Program, timing: Timing, bound: Bound, rank: int) -> 
             held, released = timing.posted_recv[transfer], ends[consumer[transfer]]
         deltas[held] = get(held, 0) + size
         deltas[released] = get(released, 0) - size
+    if bound.tail_bytes and bound.tail_bytes[rank]:
+        start, end = timing.step_time_us, timing.step_time_us + bound.tail_us
+        deltas[start] = get(start, 0) + bound.tail_bytes[rank]
+        deltas[end] = get(end, 0) - bound.tail_bytes[rank]
     return sorted(deltas.items())
 
 
@@ -94,6 +98,8 @@ def _allocating_step(program: Program, timing: Timing, bound: Bound, rank: int, 
             step
         ] == time:
             return step
+    if bound.tail_bytes and bound.tail_bytes[rank] and time == timing.step_time_us:
+        return len(starts) - 1  # the tied-gradient exchange, after the rank's last action
     return 0
 
 
@@ -116,6 +122,7 @@ def memory_use(program: Program, timing: Timing, bound: Bound, rank: int, cap_by
         and not any(bound.released[rank])
         and not any(bound.scratch[rank])
         and not any(transfer >= 0 and bound.transfer_bytes[transfer] for transfer in program.transfer_of[rank])
+        and not (bound.tail_bytes and bound.tail_bytes[rank])
     )
     if simple and (cap_bytes is None or static + peak_activation <= cap_bytes):
         return MemoryUse(

@@ -178,7 +178,7 @@ def verify_plan(plan: plan_pb2.Plan, costs: profile_pb2.Profile | CostModel | No
 def _finish(
     plan: plan_pb2.Plan, program: Program, timing: Timing, bound: Bound, config: SimulationConfig
 ) -> Simulation:
-    step_time = timing.step_time_us
+    step_time = timing.step_time_us + bound.tail_us  # the tied-gradient exchange closes the step
     caps = [rp.memory_cap_bytes if rp.HasField("memory_cap_bytes") else None for rp in plan.ranks]
     uses = [memory_use(program, timing, bound, rank, caps[rank]) for rank in range(program.num_ranks)]
     if config.enforce_memory_caps:

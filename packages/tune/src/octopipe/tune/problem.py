@@ -26,6 +26,7 @@ from octopipe.simulate import (
     StageCost,
     simulate,
     stage_cost_from_layers,
+    tied_exchanges,
 )
 from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
 from octopipe.tune.schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_h2
@@ -165,13 +166,16 @@ class Evaluator:
         # OVERLAP_F_B units cost F + B by default: overlapping hides communication, not compute
         self.overlap = overlap if overlap is not None else OverlapModel(hidden_fraction=0.0)
         self.model = profile.model
+        self.tied = tuple(profile.tied_parameters)
         self.evaluations = 0
         self._library: dict[tuple[str, str], dict[int, list[Action]] | None] = {}
 
     def cost_model(self, bounds: Sequence[int]) -> CostModel:
         stages = tuple(self.layers.stage_cost(bounds[s], bounds[s + 1]) for s in range(len(bounds) - 1))
+        names = [self.layers.names[bounds[s] : bounds[s + 1]] for s in range(len(bounds) - 1)]
         return CostModel(
             stages=stages,
+            tied=tied_exchanges(self.tied, names),
             links=self.links,
             default_link=self.default_link,
             overlap=self.overlap,

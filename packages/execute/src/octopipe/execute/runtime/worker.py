@@ -374,7 +374,6 @@ def _run_plan(
         dist.barrier()  # ranks start each step together, so measured timelines line up
         step_start = time.perf_counter_ns()
         loss = runtime.run_step(step, microbatches, on_action=recorder)
-        step_end = time.perf_counter_ns()
         if loss is not None:
             losses.append(float(loss))
         for s in mine:
@@ -384,6 +383,7 @@ def _run_plan(
         if ties:  # a collective: every rank, every step, the same order
             for (_, name), grad in reduce_tied(ties, stages, runtime, plain, holder).items():
                 named[name].grad = grad
+        step_end = time.perf_counter_ns()  # the tied-gradient exchange is part of the step (as simulated)
         if step == config.start_step and config.keep_grads:
             first_grads = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
         optimizer.step()
