@@ -39,9 +39,11 @@ def test_allocator_peak_of_the_last_stage_equals_the_hand_count() -> None:
     # gradients) are: (m + 2) A, plus the weight gradient and a few loss scalars
     last = gpipe_run.memory[1]["step_peak_bytes"]
     assert (m + 2) * A + WEIGHT <= last <= (m + 2) * A + WEIGHT + 4096, last / A
-    # 1F1B: one input in use and the next one's receive posted ahead, plus the two intermediates
+    # 1F1B: one input in use and the next one's receive posted ahead, plus the two intermediates; and one A
+    # more when the previous micro-batch's input gradient is still on its way (a send holds its tensor until
+    # the transfer ends, as the simulator counts it): on 2 busy cores its channel thread may not have run yet
     last = one_f_one_b_run.memory[1]["step_peak_bytes"]
-    assert 4 * A + WEIGHT <= last <= 4 * A + WEIGHT + 4096, last / A
+    assert 4 * A + WEIGHT <= last <= 5 * A + WEIGHT + 4096, last / A
     assert (
         gpipe_run.memory[1]["peak_bytes"]
         == gpipe_run.memory[1]["resident_bytes"] + (gpipe_run.memory[1]["step_peak_bytes"])
