@@ -1,8 +1,8 @@
 """More transformers families, whole-model captured and split: bitwise loss and every gradient, or a clear refusal.
 
 Gemma3 (scaled embeddings, sliding-window layers), GPT2 (``transformer.h``, tied ``wte``),
-FalconH1 (hybrid Mamba/attention, non-1.0 multipliers), DeepseekV3 (MLA + MoE), all built
-from configs with random weights. Deterministic mode: MoE expert gradients accumulate with
+FalconH1 (hybrid Mamba/attention, non-1.0 multipliers), DeepseekV3 (MLA + MoE), and Qwen3,
+Qwen3-MoE and OLMoE with eager attention, all built from configs with random weights. Deterministic mode: MoE expert gradients accumulate with
 index_put, which repeats bitwise run to run only there (the reference runs under it too).
 """
 
@@ -20,7 +20,9 @@ from tests.hf_models import FAMILIES as HF
 from tests.hf_models import gpt2
 
 transformers = pytest.importorskip("transformers")
-FAMILIES: dict[str, Callable[[str], Any]] = {name: HF[name] for name in ("gemma3", "gpt2", "falcon_h1", "deepseek_v3")}
+FAMILIES: dict[str, Callable[[str], Any]] = {
+    name: HF[name] for name in ("gemma3", "gpt2", "falcon_h1", "deepseek_v3", "qwen3", "qwen3moe", "olmoe")
+}
 #: eager attention is the same split of another kernel: those variants run with ./scripts/test.sh --all
 EXTENDED = pytest.mark.extended
 CASES = [
@@ -32,6 +34,10 @@ CASES = [
     pytest.param("falcon_h1", "eager", marks=EXTENDED),
     ("deepseek_v3", "sdpa"),
     pytest.param("deepseek_v3", "eager", marks=EXTENDED),
+    # with sdpa these run in test_whole_model.py
+    pytest.param("qwen3", "eager", marks=EXTENDED),
+    pytest.param("qwen3moe", "eager", marks=EXTENDED),
+    pytest.param("olmoe", "eager", marks=EXTENDED),
 ]
 
 
