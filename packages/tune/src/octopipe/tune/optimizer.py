@@ -76,10 +76,11 @@ class TuneConfig:
     change.)
     ``min_gain``: the simulator's step-time error (e.g. 0.05 for 5%). A plan
     more complex than another is chosen only when its predicted step is shorter
-    by more than this fraction: the simplest of 1F1B on equal layers, then each
+    by more than this fraction: starting from 1F1B on equal layers, each
     family's best in ``FAMILIES`` order (linear, interleaved-2, interleaved-4,
-    v), whose step is within ``1 + min_gain`` of the fastest is returned. 0
-    returns the fastest.
+    v) replaces the plan held when the held plan's step exceeds its step x
+    ``1 + min_gain``; the plan held at the end is returned (never more than
+    ``min_gain`` slower than the fastest). 0 returns the fastest.
     ``default_link``: the link between rank pairs the profile measured none
     for. None: the profile's own links, and a free link (no latency, no
     bandwidth limit) where it has none. Give the link the plan will be checked
@@ -471,24 +472,26 @@ def _simplest_within(
     fastest: tuple[Score, plan_pb2.Plan, tuple[int, ...], str, str],
     min_gain: float,
 ) -> tuple[tuple[Score, plan_pb2.Plan, tuple[int, ...], str, str], str]:
-    """The first (simplest) finalist within ``1 + min_gain`` of the fastest, and why it was chosen."""
+    """Walk the finalists from the simplest, moving to a more complex one only when it is predicted faster
+    than the one held by more than ``min_gain``; the one held at the end, and why it was chosen."""
     fast = fastest[0].step_time_us
     label = f"{fastest[3]} on {fastest[4]}"
     if min_gain <= 0 or not fastest[0].fits:
         return fastest, f"the fastest predicted plan ({label})"
+    held = None
     for finalist in finalists:
-        if finalist[0].fits and finalist[0].step_time_us <= fast * (1 + min_gain):
-            if finalist is fastest or finalist[0].step_time_us == fast:
-                return finalist, (
-                    f"the fastest predicted plan ({label}); every simpler plan is slower by more than "
-                    f"the {min_gain:.1%} error"
-                )
-            gain = finalist[0].step_time_us / fast - 1
-            return finalist, (
-                f"{finalist[3]} on {finalist[4]}: the fastest ({label}) is only {gain:.1%} faster predicted, "
-                f"within the simulator's {min_gain:.1%} error"
-            )
-    return fastest, f"the fastest predicted plan ({label})"
+        if finalist[0].fits and (held is None or held[0].step_time_us > finalist[0].step_time_us * (1 + min_gain)):
+            held = finalist
+    if held is None or held is fastest or held[0].step_time_us == fast:
+        return fastest, (
+            f"the fastest predicted plan ({label}); each simpler plan it passed is slower by more than "
+            f"the {min_gain:.1%} error"
+        )
+    gain = held[0].step_time_us / fast - 1
+    return held, (
+        f"{held[3]} on {held[4]}: no more complex plan is faster by more than the simulator's {min_gain:.1%} "
+        f"error (the fastest, {label}, is only {gain:.1%} faster predicted)"
+    )
 
 
 def _caps(profile: profile_pb2.Profile, config: TuneConfig, baseline: Candidate) -> dict[int, int]:
