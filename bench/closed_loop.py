@@ -18,7 +18,6 @@ launch pins its 2 ranks to 2 distinct cores; refuses a busy machine unless
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -28,8 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from quiet import Environment, add_arguments, start
-from vs_torch import percentile
+from quiet import Environment, add_arguments, start, step_summary, write_record
 
 from octopipe.execute.control.adapt import retune
 from octopipe.execute.control.coordinator import MIN_ADAPT_GAIN
@@ -47,15 +45,6 @@ from octopipe.tune import TuneConfig
 M, P = 8, 2
 
 
-def summary(values: list[float]) -> dict[str, float]:
-    return {
-        "median_ms": statistics.median(values) / 1e3,
-        "p10_ms": percentile(values, 0.1) / 1e3,
-        "p90_ms": percentile(values, 0.9) / 1e3,
-        "samples": len(values),
-    }
-
-
 def bench(name: str, args: argparse.Namespace, env: Environment) -> dict[str, Any]:
     reference = workload_reference(name, tiny=True, sequence=16) if args.tiny else workload_reference(name)
     link, _ = measure_link()
@@ -69,7 +58,7 @@ def bench(name: str, args: argparse.Namespace, env: Environment) -> dict[str, An
         "workload": name,
         "tuned": tuned.description,
         "tuned_predicted_ms": tuned.estimate.step_time_us / 1e3,
-        "first_run": summary(measured_step_times_us(first)[1:]),
+        "first_run": step_summary(measured_step_times_us(first)[1:]),
         "switched_to": loop.name,
         "calibrated_current_ms": loop.current_us / 1e3,
         "calibrated_best_ms": loop.best_us / 1e3,
@@ -85,8 +74,8 @@ def bench(name: str, args: argparse.Namespace, env: Environment) -> dict[str, An
         for key, run in zip(("current", "switched"), runs, strict=True):
             env.record(run.cores)
             times[key] += measured_step_times_us(run)[1:]
-    row["current"] = summary(times["current"])
-    row["switched"] = summary(times["switched"])
+    row["current"] = step_summary(times["current"])
+    row["switched"] = step_summary(times["switched"])
     row["measured_gain"] = statistics.median(times["current"]) / statistics.median(times["switched"])
     return row
 
@@ -115,10 +104,7 @@ def main() -> None:
             f"gain predicted {r['predicted_gain']:.3f}x, measured {r['measured_gain']:.3f}x"
         )
     record = {"environment": env.finish(), "rounds": args.rounds, "steps": args.steps, "workloads": rows}
-    print(f"load average before {record['environment']['load_average_before']}, after {env.load_after}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"written: {args.out}")
+    write_record(args.out, record)
 
 
 if __name__ == "__main__":

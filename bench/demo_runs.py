@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from quiet import DEFAULT_MAX_LOAD, Environment, require_quiet
+from quiet import DEFAULT_MAX_LOAD, Environment, require_quiet, write_record
 
 
 def one_run(out: Path) -> dict[str, Any]:
@@ -66,10 +66,7 @@ def main() -> None:
     # the demo's own runs pin their ranks (runtime.pinning); their cores are in each run's trace, not here
     environment = env.finish()
     record = {"environment": environment, "runs": rows}
-    print(f"load average before {environment['load_average_before']}, after {env.load_after}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"written: {args.out}")
+    write_record(args.out, record)
 
 
 if __name__ == "__main__":

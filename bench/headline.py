@@ -24,7 +24,6 @@ same profile x m / p). Refuses a busy machine unless ``--force``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -34,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from quiet import Environment, add_arguments, start
-from vs_torch import SCHEDULES, percentile, run_torch
+from quiet import Environment, add_arguments, start, step_summary, write_record
+from vs_torch import SCHEDULES, run_torch
 
 from octopipe.execute.linkprobe import measure_link
 from octopipe.execute.pipeline import calibrate_in_situ, layer_names, profile_reference, tune_reference
@@ -43,15 +42,6 @@ from octopipe.execute.runtime import measured_step_times_us, run_local, run_loca
 from octopipe.tune import TuneConfig, equal_partition, one_f_one_b, zb_h1
 
 M, P = 8, 2
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {
-        "median_ms": statistics.median(values) / 1e3,
-        "p10_ms": percentile(values, 0.1) / 1e3,
-        "p90_ms": percentile(values, 0.9) / 1e3,
-        "samples": len(values),
-    }
 
 
 def bench(name: str, args: argparse.Namespace, env: Environment) -> dict[str, Any]:
@@ -107,8 +97,8 @@ def bench(name: str, args: argparse.Namespace, env: Environment) -> dict[str, An
         "calibration": {"latency_us": in_situ.latency_us, "probed_latency_us": link.latency_us},
         "chosen_with_min_gain": {"min_gain": args.min_gain, "plan": chosen.description, "why": chosen.choice},
         "link": {"latency_us": link.latency_us, "bandwidth_bytes_per_second": link.bandwidth_bytes_per_second},
-        "ours": summary(measured["octopipe"]),
-        "torch": {s: summary(v) for s, v in torch_runs.items()},
+        "ours": step_summary(measured["octopipe"]),
+        "torch": {s: step_summary(v) for s, v in torch_runs.items()},
         "torch_best": best_name,
         "throughput_ratio_vs_torch_best": statistics.median(torch_runs[best_name]) / ours_median,
         "zero_bubble_limit_ms": limit_us / 1e3,
@@ -150,10 +140,7 @@ def main() -> None:
             f" zero-bubble limit {r['zero_bubble_limit_ms']:.0f} ms, tuned / limit {r['tuned_over_limit']:.3f}"
         )
     record = {"environment": env.finish(), "rounds": args.rounds, "steps": args.steps, "workloads": rows}
-    print(f"load average before {record['environment']['load_average_before']}, after {env.load_after}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"written: {args.out}")
+    write_record(args.out, record)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,26 @@ load before and after and the cores each rank of each run reported.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from octopipe.execute.runtime.pinning import online_cpus
 
-__all__ = ["Environment", "add_arguments", "distinct_cores", "require_quiet", "start"]
+__all__ = [
+    "Environment",
+    "add_arguments",
+    "distinct_cores",
+    "percentile",
+    "require_quiet",
+    "start",
+    "step_summary",
+    "write_record",
+]
 
 #: 1-minute load average above which a timing benchmark does not start (a quiet 2-core machine sits near 0.1-0.5)
 DEFAULT_MAX_LOAD = 0.8
@@ -81,3 +93,28 @@ def start(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Environm
         parser.error("give --rounds >= 1 and --steps >= 2 (the first step of each launch is warm-up)")
     require_quiet(args.max_load, force=args.force)
     return Environment(forced=args.force)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def step_summary(values_us: list[float]) -> dict[str, float]:
+    """Median and 10th-90th percentiles of step times in microseconds, as milliseconds, and the count."""
+    return {
+        "median_ms": statistics.median(values_us) / 1e3,
+        "p10_ms": percentile(values_us, 0.1) / 1e3,
+        "p90_ms": percentile(values_us, 0.9) / 1e3,
+        "samples": len(values_us),
+    }
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """Print the load before and after (``record["environment"]``, from ``Environment.finish``), write the JSON."""
+    environment = record["environment"]
+    print(f"load average before {environment['load_average_before']}, after {environment['load_average_after']}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"written: {path}")

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -49,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from quiet import Environment, add_arguments, start
+from quiet import Environment, add_arguments, start, write_record
 
 from octopipe.execute.linkprobe import measure_link
 from octopipe.execute.pipeline import calibrate_in_situ, compare, layer_names, profile_reference, tune_reference
@@ -240,10 +239,7 @@ def main() -> None:
         "environment": env.finish(),
         "workloads": results,
     }
-    print(f"load average before {record['environment']['load_average_before']}, after {env.load_after}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"written: {args.out}")
+    write_record(args.out, record)
 
 
 if __name__ == "__main__":

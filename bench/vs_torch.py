@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from quiet import percentile
 from torch.distributed.pipelining import PipelineStage, schedules
 
 from octopipe.capture import StageModule, pipeline_spec
@@ -105,11 +106,6 @@ def run_octopipe(name: str, reference: Any, m: int, steps: int) -> list[float]:
     else:
         plan = torch_schedule_plan(name, num_ranks=2, num_microbatches=m, layer_names=parts, model=reference)
     return measured_step_times_us(run_local(plan, steps=steps, timeout_s=300))
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 def main() -> None:
