@@ -482,9 +482,13 @@ def _simplest_within(
     for finalist in finalists:
         if finalist[0].fits and (held is None or held[0].step_time_us > finalist[0].step_time_us * (1 + min_gain)):
             held = finalist
-    if held is None or held is fastest or held[0].step_time_us == fast:
-        return fastest, (
-            f"the fastest predicted plan ({label}); each simpler plan it passed is slower by more than "
+    if held is None:
+        return fastest, f"the fastest predicted plan ({label})"
+    if held[0].step_time_us == fast:
+        if held is finalists[0]:
+            return held, "the fastest predicted plan (1F1B with equal layer counts, the simplest)"
+        return held, (
+            f"the fastest predicted plan ({held[3]} on {held[4]}); each simpler plan is slower by more than "
             f"the {min_gain:.1%} error"
         )
     gain = held[0].step_time_us / fast - 1
