@@ -16,22 +16,14 @@ from octopipe.capture import (
 )
 from octopipe.examples.models import ModelConfig, llama
 from tests.capture.whole_model import example_activations
+from tests.hf_models import llama as hf_llama
 
 transformers = pytest.importorskip("transformers")
 
 
 def llama_graph() -> tuple[object, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=3,
-        tie_word_embeddings=True,
-    )
-    model = transformers.LlamaForCausalLM(config)
+    model = hf_llama("sdpa", tied=True)
     ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1))
     return model, {"input_ids": ids, "labels": ids}
 
