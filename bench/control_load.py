@@ -29,7 +29,7 @@ import grpc
 from octopipe.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from octopipe.execute.control import ControlClient, make_certs
 from octopipe.execute.control.common import start_server
-from octopipe.execute.control.security import CertPaths, secure_channel
+from octopipe.execute.control.security import CertPaths, node_identity, secure_channel
 from octopipe.execute.linkprobe import free_port
 from octopipe.execute.runtime import workload_reference
 from octopipe.node.v1 import node_pb2, node_pb2_grpc
@@ -43,7 +43,7 @@ class SimulatedNode(node_pb2_grpc.NodeServiceServicer):
 
     def __init__(self, node_id: str, certs: Path, coordinator: str, step_s: float) -> None:
         self.node_id, self.step_s = node_id, step_s
-        self.identity = CertPaths(certs, "node")
+        self.identity = CertPaths(certs, node_identity(node_id))
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.run: node_pb2.PushPlanRequest | None = None
@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.1, help="simulated step time")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="octopipe-load-"))
-    make_certs(root / "certs")
+    make_certs(root / "certs", nodes=[f"sim{i:02d}" for i in range(args.nodes)])
     port = free_port()
     log = open(root / "coordinator.log", "w")  # noqa: SIM115
     coordinator = subprocess.Popen(

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_restarted_coordinator_keeps_its_runs_and_reattaches_a_running_one(tmp_path: Path) -> None:
-    make_certs(tmp_path / "certs")
+    make_certs(tmp_path / "certs", nodes=["node0"])
     port = free_port()
     config = CoordinatorConfig(
         certs=tmp_path / "certs",

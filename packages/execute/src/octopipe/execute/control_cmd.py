@@ -25,11 +25,16 @@ EXIT_RUN_FAILED = 3
 EXIT_UNREACHABLE = 4
 
 
-def _certs_option(parser: argparse.ArgumentParser, identity: str) -> None:
+def _certs_option(parser: argparse.ArgumentParser, identity: str, shown: str = "") -> None:
     parser.add_argument("--certs", type=Path, required=True, help="the folder `octopipe certs make` wrote")
     parser.add_argument(
-        "--identity", default=identity, help=f"which certificate in --certs to use (default {identity})"
+        "--identity", default=identity, help=f"which certificate in --certs to use (default {shown or identity})"
     )
+
+
+def _node_names(values: list[str]) -> list[str]:
+    """``--nodes a b`` and ``--nodes a,b`` alike."""
+    return [name for value in values for name in value.split(",") if name]
 
 
 def _client_options(parser: argparse.ArgumentParser) -> None:
@@ -41,12 +46,34 @@ def _client_options(parser: argparse.ArgumentParser) -> None:
 def add_parser(sub: Any) -> None:
     certs = sub.add_parser("certs", help="make a CA and certificates for a test cluster")
     certs_sub = certs.add_subparsers(dest="certs_command", metavar="CERTS_COMMAND", required=True)
-    make = certs_sub.add_parser("make", help="write ca.pem and coordinator/node/admin certificates into DIR")
+    make = certs_sub.add_parser(
+        "make",
+        help="write a new CA and the coordinator, admin and node-ID certificates into DIR",
+        description=(
+            "Write a new CA (ca.pem, ca.key) and certificates into DIR: coordinator (role coordinator: the only "
+            "caller daemons accept), admin (role admin: submit, runs, cancel, resume) and node-ID for each --nodes "
+            "ID (role node, named ID: `octopipe node --node-id ID` loads it and may register only as ID)."
+        ),
+    )
     make.add_argument("folder", type=Path)
     make.add_argument(
         "--hosts", nargs="+", default=["127.0.0.1", "localhost"], help="addresses the servers are reached at"
     )
+    make.add_argument(
+        "--nodes", nargs="+", default=[], metavar="ID", help="node ids to write certificates for (a b, or a,b)"
+    )
     make.set_defaults(handler=_certs_make)
+    add = certs_sub.add_parser(
+        "node",
+        help="add node-ID certificates to DIR, signed by the CA in DIR (for nodes added later)",
+        description="Write node-ID.pem/.key for each ID (role node, named ID), signed by DIR's ca.key.",
+    )
+    add.add_argument("folder", type=Path)
+    add.add_argument("node_ids", nargs="+", metavar="ID", help="node ids (as given to `octopipe node --node-id`)")
+    add.add_argument(
+        "--hosts", nargs="+", default=["127.0.0.1", "localhost"], help="addresses the node's daemon is reached at"
+    )
+    add.set_defaults(handler=_certs_node)
 
     coordinator = sub.add_parser("coordinator", help="run the coordinator (gRPC, mutual TLS)")
     coordinator.add_argument("--listen", default="127.0.0.1:50051", help="host:port to serve on (port 0: any)")
@@ -58,8 +85,8 @@ def add_parser(sub: Any) -> None:
 
     node = sub.add_parser("node", help="run a node daemon: registers with the coordinator and runs ranks")
     node.add_argument("--coordinator", required=True, help="the coordinator's host:port")
-    _certs_option(node, "node")
-    node.add_argument("--node-id", required=True)
+    _certs_option(node, "", shown="node-<node id>")
+    node.add_argument("--node-id", required=True, help="this node's id; its certificate names it (node-ID.pem)")
     node.add_argument("--listen", default="127.0.0.1:0", help="host:port to serve on (port 0: any)")
     node.add_argument("--advertise", default="", help="the host others reach this node at (default: --listen host)")
     node.add_argument("--slots", type=int, default=1, help="rank processes this node runs")
@@ -132,8 +159,22 @@ def _serve_until_signal(stop: Any) -> None:
 def _certs_make(args: argparse.Namespace) -> int:
     from octopipe.execute.control.security import make_certs  # noqa: PLC0415
 
-    paths = make_certs(args.folder, hosts=args.hosts)
+    paths = make_certs(args.folder, hosts=args.hosts, nodes=_node_names(args.nodes))
     _out(f"wrote a CA and certificates {sorted(paths)} for {args.hosts} into {args.folder}")
+    if not args.nodes:
+        _out(f"no node certificates yet: add them with `octopipe certs node {args.folder} ID ...` (or --nodes)")
+    return 0
+
+
+def _certs_node(args: argparse.Namespace) -> int:
+    from octopipe.execute.control.security import add_node_certs  # noqa: PLC0415
+
+    try:
+        paths = add_node_certs(args.folder, _node_names(args.node_ids), hosts=args.hosts)
+    except FileNotFoundError as exc:
+        _err(f"octopipe: error: {exc}")
+        return 2
+    _out(f"wrote certificates {sorted(paths)} for {args.hosts} into {args.folder}, signed by its CA")
     return 0
 
 
@@ -150,7 +191,11 @@ def _coordinator(args: argparse.Namespace) -> int:
         checkpoint_root=args.checkpoint_root,
         heartbeat_timeout_s=args.heartbeat_timeout,
     )
-    coordinator = Coordinator(config).start()
+    try:
+        coordinator = Coordinator(config).start()
+    except FileNotFoundError as exc:  # a missing certificate: the message names the command that makes it
+        _err(f"octopipe: error: {exc}")
+        return 2
     _out(f"coordinator listening on {coordinator.address}")
     _serve_until_signal(coordinator.stop)
     return 0
@@ -175,7 +220,11 @@ def _node(args: argparse.Namespace) -> int:
         rank_timeout_s=args.rank_timeout,
         pin_cores=not args.no_pin,
     )
-    daemon = NodeDaemon(config).start()
+    try:
+        daemon = NodeDaemon(config).start()
+    except FileNotFoundError as exc:  # a missing certificate: the message names the command that makes it
+        _err(f"octopipe: error: {exc}")
+        return 2
     _out(f"node {args.node_id} serving on {daemon.address}")
     _serve_until_signal(daemon.stop)
     return 0

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from octopipe.execute.control.security import AuthInterceptor, CertPaths, channel_options, server_credentials
+from octopipe.execute.control.security import AuthInterceptor, CertPaths, Claims, channel_options, server_credentials
 from octopipe.ir import action_to_proto, parse_action
 from octopipe.node.v1 import node_pb2
 
@@ -59,12 +59,17 @@ def start_server(
     register: Callable[[grpc.Server], None],
     service_names: Sequence[str],
     allowed: dict[str, frozenset[str]],
+    claims: Claims | None = None,
     max_workers: int = 32,
 ) -> Server:
-    """Start a mutual-TLS server on host:port (0: any free port) with the services ``register`` adds."""
+    """Start a mutual-TLS server on host:port (0: any free port) with the services ``register`` adds.
+
+    ``allowed`` and ``claims`` are the :class:`AuthInterceptor`'s: the roles per method, and the node ids
+    a request speaks for (each must be the caller's certificate name).
+    """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="octopipe-grpc"),
-        interceptors=[AuthInterceptor(allowed)],
+        interceptors=[AuthInterceptor(allowed, claims)],
         options=channel_options(),
         maximum_concurrent_rpcs=max_workers * 4,
     )

@@ -29,7 +29,7 @@ from octopipe.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from octopipe.execute.control.adapt import measured_gain, retune
 from octopipe.execute.control.common import TERMINAL_STATES, Server, Waiter, start_server, state_name
 from octopipe.execute.control.pushes import RunPusher
-from octopipe.execute.control.security import CertPaths
+from octopipe.execute.control.security import ADMIN, COORDINATOR, NODE, CertPaths, Claims, require_identity
 from octopipe.execute.control.state import StateStore
 from octopipe.execute.control.submission import adapt_problem, check_plan
 from octopipe.execute.runtime.checkpoint import latest_checkpoint
@@ -40,11 +40,16 @@ from octopipe.plan.v1 import plan_pb2
 __all__ = ["Coordinator", "CoordinatorConfig"]
 
 _SERVICE = "octopipe.coordinator.v1.CoordinatorService"
-_ADMIN = frozenset({"admin"})
-_NODE = frozenset({"node"})
+_ADMIN = frozenset({ADMIN})
+_NODE = frozenset({NODE})
 _ALLOWED = {f"/{_SERVICE}/{m}": _NODE for m in ("RegisterNode", "Heartbeat")} | {
     f"/{_SERVICE}/{m}": _ADMIN
     for m in ("SubmitPlan", "GetRun", "ListRuns", "CancelRun", "WatchRun", "StreamRunMetrics", "ResumeRun")
+}
+#: a node registers and heartbeats only as the node its certificate names (its common name)
+_CLAIMS: Claims = {
+    f"/{_SERVICE}/RegisterNode": lambda r: [r.node_id],
+    f"/{_SERVICE}/Heartbeat": lambda r: [r.node_id, r.status.node_id],
 }
 _MAX_RUN_METRICS = 50_000
 #: finished runs whose metrics stay in memory (older finished runs keep their record, not their metrics)
@@ -58,7 +63,8 @@ MIN_ADAPT_GAIN = 1.03
 @dataclass(kw_only=True)
 class CoordinatorConfig:
     certs: Path
-    identity: str = "coordinator"
+    #: a certificate with role coordinator: the server's, and the only one daemons accept pushes and stops from
+    identity: str = COORDINATOR
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     state_dir: Path = field(default_factory=lambda: Path("octopipe-coordinator"))
@@ -104,6 +110,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         self._identity = CertPaths(config.certs, config.identity)
+        require_identity(self._identity, COORDINATOR)
         self._lock = threading.RLock()
         self._changed = Waiter()
         self._nodes: dict[str, _Node] = {}
@@ -136,6 +143,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
             register=lambda server: coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(self, server),
             service_names=[_SERVICE],
             allowed=_ALLOWED,
+            claims=_CLAIMS,
         )
         self._loop_thread = threading.Thread(target=self._loop, name="octopipe-coordinator", daemon=True)
         self._loop_thread.start()

@@ -2,7 +2,9 @@
 
 What the README's demo, the tests and the benches start: the same coordinator
 and daemons as a real cluster, with daemons in this process or in their own
-processes (``prefix`` runs them elsewhere, e.g. ``ip netns exec NS``).
+processes (``prefix`` runs them elsewhere, e.g. ``ip netns exec NS``). The
+cluster's CA signs each node's certificate (``node-<id>``) when the node is
+added, so any node id works.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from octopipe.execute.control.client import ControlClient
 from octopipe.execute.control.common import state_name
 from octopipe.execute.control.coordinator import Coordinator, CoordinatorConfig
 from octopipe.execute.control.node import NodeConfig, NodeDaemon
-from octopipe.execute.control.security import make_certs
+from octopipe.execute.control.security import add_node_certs, make_certs, node_identity
 from octopipe.execute.runtime.launcher import RunFailed, RunResult
 from octopipe.ir import action_from_proto, format_action
 from octopipe.node.v1 import node_pb2
@@ -77,7 +79,8 @@ class LocalCluster:
         **coordinator_options: Any,
     ) -> None:
         self.root = root
-        make_certs(self.certs, hosts=list(dict.fromkeys([*hosts, listen_host])))
+        self.hosts = list(dict.fromkeys([*hosts, listen_host]))
+        make_certs(self.certs, hosts=self.hosts)
         self.config = CoordinatorConfig(
             certs=self.certs,
             state_dir=root / "coordinator",
@@ -98,10 +101,18 @@ class LocalCluster:
     def client(self, identity: str = "admin") -> ControlClient:
         return ControlClient(self.coordinator.address, self.certs, identity)
 
+    def node_certs(self, node_id: str) -> str:
+        """Node ``node_id``'s identity in ``certs``, its certificate made (for ``hosts``) unless it exists."""
+        identity = node_identity(node_id)
+        if not (self.certs / f"{identity}.pem").is_file():
+            add_node_certs(self.certs, [node_id], hosts=self.hosts)
+        return identity
+
     def add_node(self, node_id: str, slots: int = 1, **options: Any) -> NodeDaemon:
         """A node daemon in this process (its ranks are child processes)."""
         options.setdefault("pin_cores", False)
         options.setdefault("rank_timeout_s", 30.0)
+        self.node_certs(node_id)
         config = NodeConfig(
             node_id=node_id,
             coordinator=self.coordinator.address,
@@ -125,6 +136,7 @@ class LocalCluster:
         timeout_s: float = 60.0,
     ) -> subprocess.Popen[bytes]:
         """A node daemon in its own process (``octopipe node``); returns once it has registered."""
+        self.node_certs(node_id)
         log = open(self.root / f"{node_id}.log", "wb")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
         command = [

@@ -9,7 +9,9 @@ every step through a queue; the daemon streams those metrics, tracks the run's
 state and, when a rank fails or the run is stopped, raises the run's abort
 flag so every rank everywhere leaves its waits, then kills what is left after
 a grace period. A daemon that cannot reach its coordinator for
-``fence_after_s`` stops its ranks itself.
+``fence_after_s`` stops its ranks itself. It serves and registers with its
+node's own certificate (``node-<node id>``) and takes calls only from the
+coordinator's.
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ from octopipe.execute.control.common import (
     state_name,
     step_metrics,
 )
-from octopipe.execute.control.security import CertPaths, secure_channel
+from octopipe.execute.control.security import (
+    COORDINATOR,
+    NODE,
+    CertPaths,
+    node_identity,
+    require_identity,
+    secure_channel,
+)
 from octopipe.execute.linkprobe import free_port
 from octopipe.execute.runtime.models import WORKLOAD_SOURCE
 from octopipe.execute.runtime.worker import ABORT_KEY, WorkerConfig, publish_plan, same_layout, worker_main
@@ -50,9 +59,10 @@ from octopipe.simulate import verify_plan
 __all__ = ["NodeConfig", "NodeDaemon"]
 
 _SERVICE = "octopipe.node.v1.NodeService"
-_NODE_ONLY = frozenset({"node"})
+#: only the coordinator's certificate drives a daemon (admin and node certificates are refused)
+_COORDINATOR_ONLY = frozenset({COORDINATOR})
 _ALLOWED = {
-    f"/{_SERVICE}/{method}": _NODE_ONLY
+    f"/{_SERVICE}/{method}": _COORDINATOR_ONLY
     for method in ("PushPlan", "StopRun", "GetNodeStatus", "WatchNodeStatus", "StreamNodeMetrics")
 }
 _MAX_METRICS = 20_000
@@ -63,7 +73,8 @@ class NodeConfig:
     node_id: str
     coordinator: str
     certs: Path
-    identity: str = "node"
+    #: the certificate in ``certs`` (role node, common name ``node_id``); "" is ``node-<node_id>``
+    identity: str = ""
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     #: the address others reach this node at (default: listen_host)
@@ -105,7 +116,8 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self._identity = CertPaths(config.certs, config.identity)
+        self._identity = CertPaths(config.certs, config.identity or node_identity(config.node_id))
+        require_identity(self._identity, NODE, config.node_id)
         self._lock = threading.RLock()
         self._changed = Waiter()
         self._run: _Run | None = None
