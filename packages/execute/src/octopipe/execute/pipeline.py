@@ -29,8 +29,6 @@ from octopipe.execute.linkprobe import local_links
 from octopipe.execute.runtime import (
     RunResult,
     build_model,
-    local_cost_model,
-    local_link,
     measured_step_times_us,
     median_step_time_us,
     timelines_to_proto,
@@ -46,9 +44,11 @@ from octopipe.simulate import (
     calibrate_profile,
     durations_from_timelines,
     fit_link_latency,
+    local_cost_model,
+    local_link,
     simulate,
 )
-from octopipe.transform import ProfilerConfig, profile_layers, profile_stages
+from octopipe.transform import ProfilerConfig, StageCompiler, profile_layers, profile_stages
 from octopipe.tune import TuneConfig, TuneResult, equal_partition, one_f_one_b, tune, zb_h1
 
 __all__ = [
@@ -83,13 +83,17 @@ def profile_reference(
     link: profile_pb2.LinkCost | None = None,
     repeats: int = 5,
     seed: int = 0,
+    compiler: StageCompiler | None = None,
 ) -> profile_pb2.Profile:
     """Profile the layers of the model ``reference`` names on one micro-batch of its step-0 batch.
+
+    Each layer is compiled by ``compiler`` (a fresh ``StageCompiler`` by default), the compiler the
+    runtime compiles its stages with.
 
     The micro-batch is the global batch split in ``num_microbatches`` (as the
     runtime splits it). ``link``: a measured link (``linkprobe.measure_link``),
     written for every pair of ``num_ranks`` local ranks; without one the
-    simulator assumes ``runtime.LOCAL_GLOO_LINK``. Runs on one thread, as each
+    simulator assumes ``simulate.LOCAL_GLOO_LINK``. Runs on one thread, as each
     local rank does.
     """
     if num_microbatches < 1:
@@ -116,6 +120,7 @@ def profile_reference(
                 config=ProfilerConfig(repeats=repeats),
                 links=links,
                 model_reference=reference,
+                compiler=compiler,
             )
             for tie in whole.ties:  # one layer per stage: the stages that hold it are its layers
                 stage, name = tie.uses[0]
@@ -133,6 +138,7 @@ def profile_reference(
             config=ProfilerConfig(repeats=repeats),
             links=links,
             model_reference=reference,
+            compiler=compiler,
         )
     finally:
         torch.set_num_threads(threads)
@@ -164,7 +170,7 @@ def tune_reference(
     progress: Callable[[str, int, float], None] | None = None,
 ) -> TuneResult:
     """``octopipe.tune.tune`` for local ranks, with the tuned plan naming the profile's model (so it can
-    run as is). Unless ``config.default_link`` is set, it tunes with ``runtime.local_link(profile)``, the
+    run as is). Unless ``config.default_link`` is set, it tunes with ``simulate.local_link(profile)``, the
     link ``local_cost_model`` verifies and predicts with.
 
     ``progress(message, simulations, best_step_us)`` is called as the search goes.
@@ -358,7 +364,7 @@ def calibrate_in_situ(profile: profile_pb2.Profile, runs: Sequence[tuple[plan_pb
     )
     latency = statistics.median(latencies)
     calibrated = calibration.profile
-    bandwidth = calibrated.links[0].bandwidth_bytes_per_second if calibrated.links else 3.5e9
+    bandwidth = local_link(calibrated).bandwidth_bytes_per_second  # the profile's, else the local gloo link's
     del calibrated.links[:]
     ranks = len(runs[0][0].ranks)
     calibrated.links.extend(

@@ -1,7 +1,9 @@
 """octopipe.transform: pure graph passes over captured stages, and the layer profiler.
 
 The automatic B/W split of a stage's backward (``split_backward``) and the
-runnable split stage (``StageExecutable``); the FSDP collective split into
+runnable split stage (``StageExecutable``); the stage compiler every runtime
+and the profiler compile through (``StageCompiler``: capture, FSDP split,
+B/W split, multiplexing); the FSDP collective split into
 UNSHARD and REDUCE_GRAD graphs (``shard_parameters``, ``split_fsdp``,
 ``FSDPStage``); forward/backward multiplexing that overlaps communication
 with the other half's compute (``multiplex``, ``OverlapStage`` for
@@ -12,6 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from octopipe.transform.allocator import AllocatorPeak
 from octopipe.transform.bw_split import BWSplit, split_backward
+from octopipe.transform.compiler import BackwardKind, CompiledStage, StageCompiler, compile_fsdp_stage, compile_stage
 from octopipe.transform.costs import (
     CostModel,
     Roofline,
@@ -21,9 +24,9 @@ from octopipe.transform.costs import (
     roofline_costs,
     table_costs,
 )
-from octopipe.transform.executable import ForwardContext, StageExecutable, WeightContext, compile_stage
+from octopipe.transform.executable import ForwardContext, StageExecutable, WeightContext
 from octopipe.transform.fsdp import ShardConfig, ShardSpec, shard_parameters, shard_specs, unshard_tensor
-from octopipe.transform.fsdp_split import NOT_HANDLED, FSDPGraphs, FSDPStage, ParamChain, compile_fsdp_stage, split_fsdp
+from octopipe.transform.fsdp_split import NOT_HANDLED, FSDPGraphs, FSDPStage, ParamChain, split_fsdp
 from octopipe.transform.multiplexing import CommOverlap, Multiplexed, OverlapReport, Simulation, multiplex, simulate
 from octopipe.transform.overlap import OverlapResult, OverlapStage
 from octopipe.transform.profiler import ProfilerConfig, format_profile, profile_layers, profile_stages, storage_bytes
@@ -37,7 +40,9 @@ __all__ = [
     "NOT_HANDLED",
     "AllocatorPeak",
     "BWSplit",
+    "BackwardKind",
     "CommOverlap",
+    "CompiledStage",
     "CostModel",
     "FSDPGraphs",
     "FSDPStage",
@@ -52,6 +57,7 @@ __all__ = [
     "ShardConfig",
     "ShardSpec",
     "Simulation",
+    "StageCompiler",
     "StageExecutable",
     "WeightContext",
     "__version__",

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from octopipe.capture import CaptureConfig, StageGraphs, capture_stage
+from octopipe.capture import StageGraphs
 from octopipe.transform.bw_split import BWSplit, split_backward
 
-__all__ = ["ForwardContext", "StageExecutable", "WeightContext", "compile_stage"]
+__all__ = ["ForwardContext", "StageExecutable", "WeightContext"]
 
 
 @dataclass(eq=False)
@@ -141,15 +141,3 @@ class StageExecutable:
         with torch.no_grad():
             param_grads, input_grads = self.graphs.run_backward(values[:-1], values[-1:])
         return input_grads, param_grads
-
-
-def compile_stage(
-    stage: nn.Module,
-    example_inputs: Sequence[torch.Tensor],
-    *,
-    config: CaptureConfig | None = None,
-    stage_index: int = 0,
-) -> StageExecutable:
-    """Capture ``stage`` and split its backward: the one call a runtime needs per stage."""
-    graphs = capture_stage(stage, example_inputs, config=config, stage_index=stage_index)
-    return StageExecutable.from_module(stage, graphs)

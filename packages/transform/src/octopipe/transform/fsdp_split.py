@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import fx, nn
 
-from octopipe.capture import CaptureConfig, StageGraphs, capture_stage, live_nodes
+from octopipe.capture import StageGraphs, live_nodes
 from octopipe.transform.bw_split import BWSplit, split_backward
 from octopipe.transform.collectives import (
     COLLECTIVE_KINDS,
@@ -53,7 +53,7 @@ from octopipe.transform.collectives import (
 )
 from octopipe.transform.executable import StageExecutable
 
-__all__ = ["NOT_HANDLED", "FSDPGraphs", "FSDPStage", "ParamChain", "compile_fsdp_stage", "split_fsdp"]
+__all__ = ["NOT_HANDLED", "FSDPGraphs", "FSDPStage", "ParamChain", "split_fsdp"]
 
 #: what split_fsdp refuses (with a ValueError naming the parameter), in words
 NOT_HANDLED = (
@@ -274,22 +274,35 @@ class FSDPStage:
     ``reduce_grad`` once per step to get this rank's gradient shards.
     """
 
-    def __init__(self, graphs: FSDPGraphs, shards: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        graphs: FSDPGraphs,
+        shards: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        *,
+        split: BWSplit | None = None,
+    ) -> None:
         if len(shards) != graphs.stage.num_params:
             raise ValueError(f"expected {graphs.stage.num_params} parameter shards, got {len(shards)}")
         self.graphs = graphs
         self.shards = [s.detach() for s in shards]
         self.buffers = [b.detach() for b in buffers]
         stage = graphs.stage
-        self.split: BWSplit = split_backward(stage.backward, num_params=stage.num_params, num_inputs=stage.num_inputs)
+        self.split: BWSplit = split or split_backward(
+            stage.backward, num_params=stage.num_params, num_inputs=stage.num_inputs
+        )
 
     @classmethod
-    def from_module(cls, stage: nn.Module, graphs: FSDPGraphs) -> FSDPStage:
-        """Bind to ``stage``'s current shards and buffers (shared storage)."""
+    def from_module(cls, stage: nn.Module, graphs: FSDPGraphs, *, split: BWSplit | None = None) -> FSDPStage:
+        """Bind to ``stage``'s current shards and buffers (shared storage); ``split`` is the stage's B/W split
+        when already made (``StageCompiler``), else it is made here."""
         params = dict(stage.named_parameters())
         buffers = dict(stage.named_buffers())
         return cls(
-            graphs, [params[n] for n in graphs.stage.param_names], [buffers[n] for n in graphs.stage.buffer_names]
+            graphs,
+            [params[n] for n in graphs.stage.param_names],
+            [buffers[n] for n in graphs.stage.buffer_names],
+            split=split,
         )
 
     def unshard(self) -> StageExecutable:
@@ -304,15 +317,3 @@ class FSDPStage:
             raise ValueError(f"expected {len(self.shards)} gradients (one per parameter), got {len(full_grads)}")
         with torch.no_grad():
             return list(self.graphs.reduce_grad(*full_grads))
-
-
-def compile_fsdp_stage(
-    stage: nn.Module,
-    example_inputs: Sequence[torch.Tensor],
-    *,
-    config: CaptureConfig | None = None,
-    stage_index: int = 0,
-) -> FSDPStage:
-    """Capture a stage whose parameters are sharded, split its collectives out, and bind it (a collective call)."""
-    graphs = capture_stage(stage, example_inputs, config=config, stage_index=stage_index)
-    return FSDPStage.from_module(stage, split_fsdp(graphs))

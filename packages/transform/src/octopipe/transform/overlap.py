@@ -60,6 +60,7 @@ class OverlapStage:
         backward: Literal["full", "input"] = "full",
         costs: CostModel | None = None,
         overlap: bool = True,
+        multiplexed: Multiplexed | None = None,
     ) -> None:
         if backward not in ("full", "input"):
             raise ValueError(f"backward must be 'full' or 'input', got {backward!r}")
@@ -67,7 +68,8 @@ class OverlapStage:
         self.backward_stage = backward_stage
         self.backward = backward
         graph = backward_stage.graphs.backward if backward == "full" else backward_stage.split.backward_input
-        self.multiplexed: Multiplexed = multiplex(
+        # a graph multiplexed already for these stages' graphs (``StageCompiler.overlap``) is reused
+        self.multiplexed: Multiplexed = multiplexed or multiplex(
             forward_stage.graphs.forward, graph, costs=costs or roofline_costs(), overlap=overlap
         )
 

@@ -1,7 +1,8 @@
 """The layer profiler: time and size each layer's F, B and W graphs; write a Profile.
 
-Each layer is captured alone (as a one-layer stage, so its costs are those of
-the same graphs the runtime runs), its backward split into B and W, and each
+Each layer is compiled alone as a one-layer stage by the same
+:class:`~octopipe.transform.compiler.StageCompiler` the runtime compiles its
+stages with (so its costs are those of the graphs the runtime runs), and each
 graph timed: warm-up runs first, then the median of ``repeats`` timed runs.
 Bytes are counted by storage, so views share their base's bytes and tensors
 that alias parameters (a transposed weight saved for backward) are not
@@ -18,10 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from octopipe.capture import PipelineSpec, StageModule, capture_stage, pipeline_spec
+from octopipe.capture import PipelineSpec, StageModule, pipeline_spec
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.transform.allocator import AllocatorPeak
+from octopipe.transform.compiler import StageCompiler
 from octopipe.transform.executable import StageExecutable
 
 __all__ = ["ProfilerConfig", "format_profile", "profile_layers", "profile_stages", "storage_bytes"]
@@ -87,9 +89,11 @@ def profile_layers(
     layer_kind: Callable[[str], str] | None = None,
     links: Sequence[profile_pb2.LinkCost] = (),
     model_reference: plan_pb2.ModelReference | None = None,
+    compiler: StageCompiler | None = None,
 ) -> profile_pb2.Profile:
     """Profile every layer of ``model`` (its layer list) for one micro-batch (``inputs``, ``target``)."""
     config = config or ProfilerConfig()
+    compiler = compiler or StageCompiler()
     spec = _spec_of(model, spec)
     kind_of = layer_kind or getattr(model, "layer_kind", None) or (lambda name: "layer")
     profile = _new_profile(int(inputs.shape[0]), config, links, model_reference)
@@ -99,8 +103,7 @@ def profile_layers(
         last = index == count - 1
         stage = StageModule(model, [layer], stage_index=index, num_stages=count, loss=spec.loss if last else None)
         stage_inputs = [x, target] if last else [x]
-        graphs = capture_stage(stage, stage_inputs, stage_index=index)
-        exe = StageExecutable.from_module(stage, graphs)
+        exe = compiler.executable(stage, stage_inputs, stage_index=index, key=_key("layer", layer.name, stage_inputs))
         profile.layers.append(_profiled(exe, stage_inputs, config, layer.name, kind_of(layer.name), index, last))
         with torch.no_grad():
             x = stage(*stage_inputs)
@@ -117,6 +120,7 @@ def profile_stages(
     layer_kind: Callable[[str], str] | None = None,
     links: Sequence[profile_pb2.LinkCost] = (),
     model_reference: plan_pb2.ModelReference | None = None,
+    compiler: StageCompiler | None = None,
 ) -> profile_pb2.Profile:
     """Profile one-layer stages cut from a whole-model graph (``octopipe.capture.split_graph``, one
     layer per stage), each on its example inputs: the graphs the runtime runs for a model captured as
@@ -128,13 +132,19 @@ def profile_stages(
             "give one of each per layer"
         )
     config = config or ProfilerConfig()
+    compiler = compiler or StageCompiler()
     kind_of = layer_kind or (lambda name: "layer")
     profile = _new_profile(microbatch_size, config, links, model_reference)
     for index, (stage, inputs, name) in enumerate(zip(stages, examples, layer_names, strict=True)):
-        exe = StageExecutable.from_module(stage, capture_stage(stage, list(inputs), stage_index=index))
+        exe = compiler.executable(stage, list(inputs), stage_index=index, key=_key("stage", name, inputs))
         last = index == len(stages) - 1
         profile.layers.append(_profiled(exe, list(inputs), config, name, kind_of(name), index, last))
     return profile
+
+
+def _key(kind: str, name: str, inputs: Sequence[torch.Tensor]) -> tuple[object, ...]:
+    """The compiler's cache key of a profiled layer: ``compiler.compiled`` shows what was timed."""
+    return ("profiled", kind, name, tuple((tuple(x.shape), x.dtype) for x in inputs))
 
 
 def _new_profile(

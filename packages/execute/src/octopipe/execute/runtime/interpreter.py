@@ -43,7 +43,16 @@ from octopipe.capture import StageGraphs
 from octopipe.execute.runtime.comm import Channels
 from octopipe.ir import Action, ActionKind
 from octopipe.ir.program import OVERLAP, Program, stream_of
-from octopipe.transform import ForwardContext, OverlapStage, StageExecutable, WeightContext, storage_bytes
+from octopipe.transform import (
+    BackwardKind,
+    BWSplit,
+    ForwardContext,
+    OverlapStage,
+    StageCompiler,
+    StageExecutable,
+    WeightContext,
+    storage_bytes,
+)
 
 __all__ = ["ActionRecord", "RankRuntime", "ShardedStage", "StepFailure", "rss_bytes"]
 
@@ -54,6 +63,11 @@ class ShardedStage(Protocol):
     @property
     def graphs(self) -> StageGraphs:
         """The stage graphs (full parameters in, full gradients out); ``param_names`` name the shards too."""
+        ...
+
+    @property
+    def split(self) -> BWSplit:
+        """The B/W split of ``graphs``' backward."""
         ...
 
     @property
@@ -146,8 +160,11 @@ class RankRuntime:
         stages: Mapping[int, StageExecutable | ShardedStage],
         channels: Channels,
         per_microbatch: Mapping[int, Sequence[int]] | None = None,
+        compiler: StageCompiler | None = None,
     ) -> None:
         self.rank = rank
+        #: the compiler the stages came from; it multiplexes the OVERLAP_F_B pairs of the program
+        self.compiler = compiler or StageCompiler()
         #: the compiled program (all ranks); this rank runs ``actions``
         self.program = program
         self.actions: list[Action] = program.actions(rank)
@@ -172,6 +189,19 @@ class RankRuntime:
         self.zero_grads()
         self._overlaps: dict[tuple[int, int, ActionKind], tuple[StageExecutable, StageExecutable, OverlapStage]] = {}
         self._reduced: set[int] = set()
+        self._multiplex_pairs()
+
+    def _multiplex_pairs(self) -> None:
+        """Multiplex every (F stage, backward stage, kind) the program's OVERLAP_F_B actions name, now: the
+        graphs exist before the first step (a sharded stage's too: they do not depend on its parameters)."""
+        for action in self.actions:
+            if action.kind is not ActionKind.OVERLAP_F_B:
+                continue
+            forward, backward = action.sub_actions
+            kind: BackwardKind = "full" if backward.kind is ActionKind.FULL_BACKWARD else "input"
+            self.compiler.multiplexed(
+                self._graphs(forward.stage), self._graphs(backward.stage), self._split(backward.stage), kind
+            )
 
     def _restatic(self) -> None:
         """Parameters, shards and buffers: excluded from ``held_bytes`` (updated in place; step states share it)."""
@@ -283,6 +313,10 @@ class RankRuntime:
         exe = self.stages.get(stage)
         return exe.graphs if exe is not None else self.sharded[stage].graphs
 
+    def _split(self, stage: int) -> BWSplit:
+        exe = self.stages.get(stage)
+        return exe.split if exe is not None else self.sharded[stage].split
+
     def _overlap(
         self, action: Action, state: _StepState, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
@@ -296,7 +330,7 @@ class RankRuntime:
             overlap = cached[2]
         else:  # first use, or a sharded stage was gathered again (new parameter tensors)
             full = backward.kind is ActionKind.FULL_BACKWARD
-            overlap = OverlapStage(exe_f, exe_b, backward="full" if full else "input")
+            overlap = self.compiler.overlap(exe_f, exe_b, "full" if full else "input")
             self._overlaps[key] = (exe_f, exe_b, overlap)
         if exe_f.graphs.num_outputs != 1 or exe_b.graphs.num_outputs != 1:
             raise ValueError(

@@ -51,7 +51,7 @@ from octopipe.capture import StageGraphs
 from octopipe.execute.runtime.models import BuiltModel
 from octopipe.ir import MeshSpec, mesh_spec
 from octopipe.plan.v1 import plan_pb2
-from octopipe.transform import FSDPStage, ShardSpec, StageExecutable, compile_fsdp_stage, shard_parameters
+from octopipe.transform import BWSplit, FSDPStage, ShardSpec, StageCompiler, StageExecutable, shard_parameters
 from octopipe.transform.fsdp import unshard_tensor
 
 __all__ = ["MeshRank", "MeshStage", "replica_batch"]
@@ -107,6 +107,10 @@ class MeshStage:
     @property
     def graphs(self) -> StageGraphs:
         return self.fsdp.graphs.stage
+
+    @property
+    def split(self) -> BWSplit:
+        return self.fsdp.split
 
     @property
     def static_tensors(self) -> list[torch.Tensor]:
@@ -208,15 +212,18 @@ class MeshRank:
 
         return dataclasses.replace(built, batch=batch)
 
-    def compile(self, stages: Sequence[nn.Module], inputs: Mapping[int, list[torch.Tensor]]) -> dict[int, MeshStage]:
-        """Shard (and expert-split) ``stages[s]`` for each ``s`` in ``inputs`` in place, capture it, split out
-        UNSHARD and REDUCE_GRAD; a collective over the dp (and ep) group, so every replica calls it in turn."""
+    def compile(
+        self, stages: Sequence[nn.Module], inputs: Mapping[int, list[torch.Tensor]], compiler: StageCompiler
+    ) -> dict[int, MeshStage]:
+        """Shard (and expert-split) ``stages[s]`` for each ``s`` in ``inputs`` in place and compile it with
+        ``compiler`` (capture, UNSHARD / REDUCE_GRAD split, B/W split); a collective over the dp (and ep)
+        group, so every replica calls it in turn."""
         assert self.dp_group is not None, "compile is for dp > 1"
         for s in sorted(inputs):
             stage = stages[s]
             experts = self._split_experts(stage)
             specs = shard_parameters(stage, self.dp_group, exclude=experts)
-            fsdp = compile_fsdp_stage(stage, inputs[s], stage_index=s)
+            fsdp = compiler.fsdp_stage(stage, inputs[s], stage_index=s)
             self.stages[s] = MeshStage(
                 fsdp, specs=specs, experts=experts, dp=self.spec.dp, expert_replicas=self.expert_replicas
             )

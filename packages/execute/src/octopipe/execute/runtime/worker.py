@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,7 +30,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from octopipe.capture import StageGraphs, StageModule, capture_stage, split_model
+from octopipe.capture import StageModule
 from octopipe.execute.runtime.checkpoint import load_checkpoint, save_checkpoint
 from octopipe.execute.runtime.comm import Channels
 from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime
@@ -38,18 +38,11 @@ from octopipe.execute.runtime.memory import AllocatorPeak, MemoryMeasurement, re
 from octopipe.execute.runtime.mesh import MeshRank
 from octopipe.execute.runtime.models import BuiltModel, build_model
 from octopipe.execute.runtime.pinning import pin_rank
-from octopipe.execute.runtime.whole_model import (
-    buffer_specs,
-    graph_boundaries,
-    guard,
-    layer_boundaries,
-    reduce_tied,
-    tied_indices,
-    whole_model_stages,
-)
+from octopipe.execute.runtime.stages import rank_stages, split_batch
+from octopipe.execute.runtime.whole_model import buffer_specs, guard, reduce_tied, tied_indices
 from octopipe.ir import compile_plan, stage_ranks
 from octopipe.plan.v1 import plan_pb2
-from octopipe.transform import BWSplit, StageExecutable, split_backward
+from octopipe.transform import StageCompiler, StageExecutable
 
 __all__ = ["ABORT_KEY", "PLAN_KEY", "StepEvents", "WorkerConfig", "publish_plan", "same_layout", "worker_main"]
 
@@ -113,12 +106,6 @@ class _Recorder:
         self.records.append(record)
         if self.fail_after is not None and len(self.records) == self.fail_after:
             raise RuntimeError(f"injected failure after {self.fail_after} actions")
-
-
-def _split_batch(tokens: torch.Tensor, targets: torch.Tensor, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    if tokens.shape[0] % m:
-        raise ValueError(f"the global batch of {tokens.shape[0]} does not split into {m} equal micro-batches")
-    return list(zip(tokens.chunk(m), targets.chunk(m), strict=True))
 
 
 def _die_with_parent() -> None:
@@ -213,31 +200,6 @@ def _next_plan(store: dist.Store, rank: int, switches: int, plan: plan_pb2.Plan)
     return new
 
 
-@dataclass
-class _CaptureCache:
-    """Captured and split stages by (layer names, last stage?, input shapes): reused across plans."""
-
-    entries: dict[tuple[object, ...], tuple[StageGraphs, BWSplit]] = field(default_factory=dict)
-
-    def executable(self, stage: StageModule, inputs: list[torch.Tensor], model: bytes = b"") -> StageExecutable:
-        # a whole-model stage's graph depends on its model and on what crosses its boundaries, not only on its layers
-        boundary = (model, getattr(stage, "input_names", None), getattr(stage, "output_names", None))
-        key = (stage.layer_names, stage.is_last, boundary, tuple((tuple(x.shape), x.dtype) for x in inputs))
-        if key not in self.entries:
-            graphs = capture_stage(stage, inputs, stage_index=stage.stage_index)
-            split = split_backward(graphs.backward, num_params=graphs.num_params, num_inputs=graphs.num_inputs)
-            self.entries[key] = (graphs, split)
-        graphs, split = self.entries[key]
-        named_params = dict(stage.named_parameters())
-        named_buffers = dict(stage.named_buffers())
-        return StageExecutable(
-            graphs,
-            split,
-            [named_params[n] for n in graphs.param_names],
-            [named_buffers[n] for n in graphs.buffer_names],
-        )
-
-
 def _measure_memory(
     config: WorkerConfig,
     built: BuiltModel,
@@ -251,7 +213,7 @@ def _measure_memory(
     held = [t for s in mine for t in (*stages[s].parameters(), *stages[s].buffers())]
     held += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
     resident = resident_bytes(held)
-    microbatches = _split_batch(*built.batch(step), runtime.program.num_microbatches)
+    microbatches = split_batch(*built.batch(step), runtime.program.num_microbatches)
     dist.barrier()
     with AllocatorPeak() as meter:
         runtime.run_step(step, microbatches)
@@ -260,9 +222,9 @@ def _measure_memory(
 
 
 def _run(config: WorkerConfig, store: dist.TCPStore, events: StepEvents | None) -> list[dict[str, object]]:
-    cache = _CaptureCache()
+    compiler = StageCompiler()  # one per run: a plan switch that keeps a stage's layers reuses its graphs
     return [
-        _run_plan(config, plan_pb2.Plan.FromString(data), store, cache, index, events)
+        _run_plan(config, plan_pb2.Plan.FromString(data), store, compiler, index, events)
         for index, data in enumerate(config.plans)
     ]
 
@@ -271,7 +233,7 @@ def _run_plan(
     config: WorkerConfig,
     plan: plan_pb2.Plan,
     store: dist.TCPStore,
-    cache: _CaptureCache,
+    compiler: StageCompiler,
     plan_index: int,
     events: StepEvents | None = None,
 ) -> dict[str, object]:
@@ -280,35 +242,10 @@ def _run_plan(
     prank = mesh.pipeline_rank  # the pipeline rank whose program this process runs (= rank without a mesh)
     placement = stage_ranks(plan)
     built = mesh.replica_model(build_model(plan.model, seed=config.seed), m)  # batch(step): this replica's slice
-    partition = [list(s.layer_names) for s in plan.stages]
     mine = sorted(s for s, r in placement.items() if r == prank)
-
-    # example activations (one eager forward of the first micro-batch) give capture its shapes
-    first = _split_batch(*built.batch(0), m)[0]
-    whole = None
-    model_key = b""  # layer-list stages: keyed by their layers and shapes, as before
-    stages: list[StageModule]
-    if built.input_names is not None:  # the model's forward as written, split at the plan's layer boundaries
-        if mesh.spec.dp > 1 or mesh.spec.ep > 1:
-            raise ValueError("a whole-model capture runs without a mesh (dp = ep = 1): drop the plan's mesh")
-        whole = whole_model_stages(built.model, built.input_names, first, partition)
-        model_key = plan.model.SerializeToString(deterministic=True)
-        stages = list(whole.stages)
-        inputs = {s: whole.examples[s] for s in mine}
-        boundaries = graph_boundaries(whole)
-    else:
-        stages = list(split_model(built.model, partition))
-        activations = [first[0]]
-        with torch.no_grad():
-            for stage in stages[:-1]:
-                activations.append(stage(activations[-1]))
-        inputs = {s: [activations[s], first[1]] if s == len(stages) - 1 else [activations[s]] for s in mine}
-        boundaries = layer_boundaries(stages, activations)
-    executables = (
-        mesh.compile(stages, inputs)  # dp > 1: sharded stages, gathered by UNSHARD actions
-        if mesh.sharded
-        else {s: cache.executable(stages[s], inputs[s], model_key) for s in mine}
-    )
+    compiled = rank_stages(plan, built, mine, mesh, compiler)  # every stage module; this rank's compiled
+    stages, executables, boundaries = compiled.modules, compiled.executables, compiled.boundaries
+    whole, first = compiled.whole, compiled.first
 
     plain = {s: e for s, e in executables.items() if isinstance(e, StageExecutable)}
     ties = whole.ties if whole is not None else []
@@ -337,6 +274,7 @@ def _run_plan(
             stages=executables,
             channels=channels,
             per_microbatch=tied_indices(ties, plain),  # tied weights: summed across ranks per micro-batch
+            compiler=compiler,
         )
 
     runtime = make_runtime(plan)
@@ -362,7 +300,7 @@ def _run_plan(
     if config.resume:
         load_checkpoint(config.checkpoint_dir, config.start_step, params, optimizer, suffix=suffix)
     for step in range(config.start_step, config.start_step + config.steps):
-        microbatches = _split_batch(*built.batch(step), m)
+        microbatches = split_batch(*built.batch(step), m)
         fail_after = config.fail_at[1] if config.fail_at is not None and config.fail_at[0] == step else None
         recorder = _Recorder(fail_after)
         if config.adaptive:
