@@ -50,6 +50,7 @@ from octopipe.simulate.costs import (
     tied_exchanges,
 )
 from octopipe.simulate.estimate import Estimate, PathStep, RankEstimate
+from octopipe.simulate.local import LOCAL_GLOO_LINK, local_cost_model, local_link
 from octopipe.simulate.profiles import uniform_profile
 from octopipe.simulate.simulator import ActionTiming, Simulation, SimulationConfig, simulate, verify_plan
 from octopipe.simulate.trace import plot_timeline, to_chrome_trace, write_chrome_trace
@@ -60,6 +61,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "LOCAL_GLOO_LINK",
     "Action",
     "ActionCountError",
     "ActionKind",
@@ -94,6 +96,8 @@ __all__ = [
     "format_action",
     "format_grid",
     "load_plan",
+    "local_cost_model",
+    "local_link",
     "mesh_spec",
     "parse_action",
     "plan_from_text",
