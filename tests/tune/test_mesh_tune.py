@@ -13,13 +13,13 @@ from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import CostModel, GroupLinks, Link, StageCost, simulate, verify_plan
 from octopipe.tune import (
+    DEFAULT_SCHEDULES,
     CollectivePlacement,
     MeshTuneConfig,
     place_collectives,
     scale_microbatches,
     tune_mesh,
 )
-from octopipe.tune.problem import LIBRARY, placement_for
 
 IB = GroupLinks(data_parallel=Link(latency_us=5.0, bandwidth_bytes_per_second=5e4))
 
@@ -55,17 +55,16 @@ def replace_programs(plan: plan_pb2.Plan, placed: dict[int, list[Action]], place
         plan.ranks[rank].actions.extend(action_to_proto(a) for a in actions)
 
 
-@pytest.mark.parametrize(("family", "name"), [(f, n) for f in LIBRARY for n in LIBRARY[f]])
+@pytest.mark.parametrize("name", [entry.name for entry in DEFAULT_SCHEDULES.tunable])
 @pytest.mark.parametrize(
     "policy",
     [CollectivePlacement(), CollectivePlacement(reshard=True), CollectivePlacement(prefetch=False, reshard=True)],
     ids=["prefetch", "prefetch-reshard", "just-in-time"],
 )
-def test_placed_collectives_verify_on_every_library_schedule(
-    family: str, name: str, policy: CollectivePlacement
-) -> None:
-    plan = LIBRARY[family][name](3, 6)
-    placement = placement_for(family, 3)
+def test_placed_collectives_verify_on_every_library_schedule(name: str, policy: CollectivePlacement) -> None:
+    entry = DEFAULT_SCHEDULES.entry(name)
+    plan = entry.generate(3, 6)
+    placement = entry.placement.stage_ranks(3)
     compute = {r: [a for a in actions if a.kind.is_compute] for r, actions in rank_actions(plan).items()}
     placed = place_collectives(compute, placement, policy)
     for rank, actions in placed.items():
@@ -85,8 +84,9 @@ def test_placed_collectives_verify_on_every_library_schedule(
 def test_reshard_frees_a_v_rank_between_its_stages() -> None:
     """V placement, p = 2: rank 0 holds stages 0 and 3; just-in-time unsharding with RESHARD after last use
     never holds both stages' parameters unless their uses overlap, so its peak is no higher."""
-    plan = LIBRARY["v"]["zb-v"](2, 4)
-    placement = placement_for("v", 2)
+    entry = DEFAULT_SCHEDULES.entry("zb-v")
+    plan = entry.generate(2, 4)
+    placement = entry.placement.stage_ranks(2)
     compute = {r: [a for a in actions if a.kind.is_compute] for r, actions in rank_actions(plan).items()}
     stage = StageCost(forward_us=1, backward_input_us=1, backward_weight_us=1, parameter_bytes=1000, gradient_bytes=8)
     costs = CostModel.uniform(num_stages=4, stage=stage)

@@ -13,8 +13,8 @@ micro-batches never slower, so the cap on m only bounds the search's cost.
 For each (pp, dp, m) the search
 
 1. partitions the layers into stages balanced by F + I + W time,
-2. takes every library schedule of the chosen placement families (see
-   ``octopipe.tune.LIBRARY``) and places UNSHARD / RESHARD / REDUCE_GRAD under
+2. takes every registry schedule of the chosen placement families (see
+   ``octopipe.tune.DEFAULT_SCHEDULES``) and places UNSHARD / RESHARD / REDUCE_GRAD under
    each :data:`~octopipe.ir.fsdp.PLACEMENTS` policy,
 3. simulates ONE pipeline replica (all replicas are identical: the simulator
    times the collectives by the group size dp and counts the sharded bytes),
@@ -38,18 +38,9 @@ from octopipe.ir.fsdp import PLACEMENTS, CollectivePlacement, place_collectives
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import CostModel, Estimate, GroupLinks, Link, OverlapModel, SimulationConfig, simulate
-from octopipe.tune.optimizer import TuneConfig, _Search
-from octopipe.tune.problem import (
-    FAMILIES,
-    LIBRARY,
-    Candidate,
-    Evaluator,
-    Layers,
-    Score,
-    balanced_bounds,
-    equal_bounds,
-    placement_for,
-)
+from octopipe.tune.problem import FAMILIES, Candidate, Evaluator, Layers, Score, balanced_bounds, equal_bounds
+from octopipe.tune.registry import DEFAULT_SCHEDULES, Placement, ScheduleRegistry
+from octopipe.tune.search import Search
 
 __all__ = ["MeshCandidate", "MeshTuneConfig", "MeshTuneResult", "scale_microbatches", "tune_mesh"]
 
@@ -71,6 +62,8 @@ class MeshTuneConfig:
     ``ep``: expert-parallel degree inside each data-parallel group.
     ``max_microbatches``: the most micro-batches per replica (module doc).
     ``refine_s``: seconds of partition refinement for the winner (0: none).
+    ``registry``: the schedules to search; ``families``: its placement
+    families to search (default: the default registry's).
     """
 
     devices: int
@@ -85,15 +78,18 @@ class MeshTuneConfig:
     max_microbatches: int = 64
     overlap_hidden_fraction: float = 0.0
     refine_s: float = 0.0
+    registry: ScheduleRegistry = DEFAULT_SCHEDULES
 
     def __post_init__(self) -> None:
         if self.devices < 1 or self.global_batch < 1:
             raise ValueError(f"devices and global_batch must be >= 1, got {self.devices} and {self.global_batch}")
         if self.memory_cap_bytes < 1:
             raise ValueError(f"memory_cap_bytes must be >= 1, got {self.memory_cap_bytes}")
-        unknown = [f for f in self.families if f not in FAMILIES]
+        self.registry.require_baseline()
+        known = self.registry.families
+        unknown = [f for f in self.families if f not in known]
         if unknown or not self.families:
-            raise ValueError(f"families {unknown or '()'}: choose from {', '.join(FAMILIES)}")
+            raise ValueError(f"families {unknown or '()'}: choose from {', '.join(known)}")
         if not self.placements:
             raise ValueError("placements is empty: give at least one CollectivePlacement")
         if self.max_microbatches < 1:
@@ -154,6 +150,7 @@ class _MeshEvaluator(Evaluator):
             memory_caps=dict.fromkeys(range(pp), config.memory_cap_bytes),
             default_link=config.p2p_link,
             overlap=OverlapModel(hidden_fraction=config.overlap_hidden_fraction),
+            registry=config.registry,
         )
         self.collectives = links
         self.dp, self.ep = config.devices // pp, config.ep
@@ -235,7 +232,7 @@ def tune_mesh(
                 step_time_us=score.step_time_us,
                 fits=score.fits,
                 schedule=label,
-                placement=candidate.family,
+                placement=candidate.family.label,
                 peak_memory_bytes=peak,
                 reason="" if score.fits else f"{peak} bytes at peak on some rank, over the cap",
             )
@@ -261,7 +258,7 @@ def tune_mesh(
     bounds = candidate.bounds
     if config.refine_s > 0:
         bounds, score, simulations = _refine(ev, candidate, plan, score, config.refine_s, simulations)
-    final = _finish(ev, plan, bounds, label)
+    final = _finish(ev, plan, bounds, candidate.schedule)
     estimate = simulate(final, ev.cost_model(bounds)).estimate  # verifies and enforces the cap
     baseline = _baseline(ev, len(layers))
     simulations += 2
@@ -284,7 +281,7 @@ def tune_mesh(
 def _search_degree(
     ev: _MeshEvaluator, config: MeshTuneConfig, num_layers: int
 ) -> tuple[Score, Candidate, plan_pb2.Plan, str] | None:
-    """The best (score, candidate, plan, label) for one (pp, dp, m): every library schedule under every
+    """The best (score, candidate, plan, label) for one (pp, dp, m): every registry schedule under every
     collective placement on a partition balanced by each layer's m x (F + I + W) plus its all-gather and
     reduce-scatter time; the family's best order also on equal layer counts; and the baseline (1F1B,
     equal counts, collectives prefetched), so the result is never slower than the baseline when both fit."""
@@ -303,24 +300,20 @@ def _search_degree(
             found = (score, candidate, plan, label)
 
     prefetch = CollectivePlacement(prefetch=True, reshard=False)
-    baseline = Candidate(
-        bounds=equal_bounds(num_layers, ev.num_ranks),
-        family="linear",
-        placement=placement_for("linear", ev.num_ranks),
-        schedule="1f1b",
-    )
+    baseline = Candidate(bounds=equal_bounds(num_layers, ev.num_ranks), family=Placement.linear(), schedule="1f1b")
     plan = ev.mesh_plan(baseline, prefetch)
     assert plan is not None
     consider(ev.score_plan(plan, ev.cost_model(baseline.bounds)), baseline, plan, _label(baseline, prefetch))
-    for family in config.families:
-        placement = placement_for(family, ev.num_ranks)
-        if len(placement) > num_layers:
+    for label in config.families:
+        family = config.registry.placement(label)
+        num_stages = family.stages_per_rank * ev.num_ranks
+        if num_stages > num_layers:
             continue
-        bounds = balanced_bounds(weights, len(placement))
+        bounds = balanced_bounds(weights, num_stages)
         model = ev.cost_model(bounds)
         best: tuple[Score, Candidate, plan_pb2.Plan, str] | None = None
-        for name in LIBRARY[family]:
-            candidate = Candidate(bounds=bounds, family=family, placement=placement, schedule=name)
+        for entry in config.registry.in_family(label):
+            candidate = Candidate(bounds=bounds, family=family, schedule=entry.name)
             for policy in config.placements:
                 plan = ev.mesh_plan(candidate, policy)
                 if plan is None:
@@ -333,14 +326,14 @@ def _search_degree(
         if best is None:
             continue
         consider(*best)
-        equal = replace(best[1], bounds=equal_bounds(num_layers, len(placement)))
+        equal = replace(best[1], bounds=equal_bounds(num_layers, num_stages))
         if equal.bounds != bounds:
             consider(ev.score_plan(best[2], ev.cost_model(equal.bounds)), equal, best[2], best[3])
     return found
 
 
 def _label(candidate: Candidate, policy: CollectivePlacement) -> str:
-    return f"{candidate.schedule} on {candidate.family} placement, collectives {policy.name}"
+    return f"{candidate.schedule} on {candidate.family.label} placement, collectives {policy.name}"
 
 
 def scale_microbatches(profile: profile_pb2.Profile, factor: int) -> profile_pb2.Profile:
@@ -376,18 +369,15 @@ def _refine(
 ) -> tuple[tuple[int, ...], Score, int]:
     """Boundary moves with the action order fixed (the co-optimizer's partition phase)."""
     before = ev.evaluations
-    search = _Search(
-        ev, TuneConfig(num_ranks=ev.num_ranks, num_microbatches=ev.m, kicks=0, time_budget_s=seconds), None
-    )
+    search = Search(ev, kicks=0, time_budget_s=seconds)
     search.placement = candidate.placement
     bounds, found = search.descend(plan, candidate.bounds, score)
     return bounds, found, simulations + ev.evaluations - before
 
 
-def _finish(ev: _MeshEvaluator, skeleton: plan_pb2.Plan, bounds: Sequence[int], label: str) -> plan_pb2.Plan:
+def _finish(ev: _MeshEvaluator, skeleton: plan_pb2.Plan, bounds: Sequence[int], schedule: str) -> plan_pb2.Plan:
     plan = plan_pb2.Plan()
     plan.CopyFrom(skeleton)
-    schedule = label.split(" on ")[0]
     plan.name = f"tuned-{schedule}-pp{ev.num_ranks}-dp{ev.dp}-m{ev.m}"
     for s, stage in enumerate(plan.stages):
         del stage.layer_names[:]
@@ -399,12 +389,7 @@ def _finish(ev: _MeshEvaluator, skeleton: plan_pb2.Plan, bounds: Sequence[int], 
 
 def _baseline(ev: _MeshEvaluator, num_layers: int) -> Estimate:
     """1F1B, equal layer counts, collectives prefetched, on the same mesh; memory reported, not enforced."""
-    candidate = Candidate(
-        bounds=equal_bounds(num_layers, ev.num_ranks),
-        family="linear",
-        placement=placement_for("linear", ev.num_ranks),
-        schedule="1f1b",
-    )
+    candidate = Candidate(bounds=equal_bounds(num_layers, ev.num_ranks), family=Placement.linear(), schedule="1f1b")
     plan = ev.mesh_plan(candidate, CollectivePlacement(prefetch=True, reshard=False))
     assert plan is not None
     plan.name = f"1f1b-equal-pp{ev.num_ranks}-dp{ev.dp}-m{ev.m}"

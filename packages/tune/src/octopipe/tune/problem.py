@@ -1,8 +1,9 @@
 """The tuning problem: per-layer costs, candidates (partition x placement x schedule) and their scores.
 
 A :class:`Candidate` names contiguous layer ranges as stages (``bounds``), a
-rank per stage (``placement``) and a schedule: a library generator or the list
-scheduler with a policy. :class:`Evaluator` turns candidates into Plans and
+placement family (a :class:`~octopipe.tune.registry.Placement` value, which
+gives every stage its rank) and a schedule: a registry entry's name or the
+list scheduler with a policy. :class:`Evaluator` turns candidates into Plans and
 scores them with the simulator (memory caps reported, not raised: a plan over a
 cap scores by how far over it is, so a search can walk back under the caps).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from octopipe.ir import Action, add_p2p_actions, rank_actions, validate_plan
@@ -29,12 +30,10 @@ from octopipe.simulate import (
     tied_exchanges,
 )
 from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
-from octopipe.tune.schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_h2
-from octopipe.tune.vshape import dualpipe_v, v_half, v_min, v_placement, zb_v
+from octopipe.tune.registry import DEFAULT_SCHEDULES, Placement, ScheduleRegistry
 
 __all__ = [
     "FAMILIES",
-    "LIBRARY",
     "Candidate",
     "Evaluator",
     "Layers",
@@ -44,53 +43,53 @@ __all__ = [
     "placement_for",
 ]
 
-# Library generators by placement family: name -> generator(p, m) -> Plan.
-LIBRARY: Mapping[str, Mapping[str, Callable[[int, int], plan_pb2.Plan]]] = {
-    "linear": {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-h2": zb_h2},
-    "interleaved-2": {"interleaved-1f1b": lambda p, m: interleaved_1f1b(p, 2, m)},
-    "interleaved-4": {"interleaved-1f1b": lambda p, m: interleaved_1f1b(p, 4, m)},
-    "v": {"zb-v": zb_v, "v-half": v_half, "v-min": v_min, "dualpipe-v": dualpipe_v},
-}
-FAMILIES = tuple(LIBRARY)
+#: The default registry's placement families, simplest first: linear, interleaved-2, interleaved-4, v.
+FAMILIES: tuple[str, ...] = DEFAULT_SCHEDULES.families
 
 
-def placement_for(family: str, num_ranks: int) -> tuple[int, ...]:
-    """Stage -> rank for a placement family: ``linear``, ``interleaved-2``, ``interleaved-4`` or ``v``."""
-    if family == "linear":
-        return tuple(range(num_ranks))
-    if family.startswith("interleaved-") and family in LIBRARY:
-        chunks = int(family.removeprefix("interleaved-"))
-        return tuple(s % num_ranks for s in range(chunks * num_ranks))
-    if family == "v":
-        return tuple(v_placement(num_ranks))
-    raise ValueError(f"unknown placement family {family!r}: use one of {', '.join(FAMILIES)}")
+def placement_for(family: str, num_ranks: int, *, registry: ScheduleRegistry = DEFAULT_SCHEDULES) -> tuple[int, ...]:
+    """Stage -> rank for a placement family of ``registry`` (e.g. ``linear``, ``interleaved-2``, ``v``)."""
+    return registry.placement(family).stage_ranks(num_ranks)
 
 
 @dataclass(kw_only=True, frozen=True)
 class Candidate:
     """One point of the search: stage s is layers[bounds[s]:bounds[s+1]] on rank placement[s].
 
-    ``schedule`` is a LIBRARY name or ``"list"`` (then ``policy`` configures the list scheduler).
+    ``family`` is the placement; ``schedule`` a registry entry's name or
+    ``"list"`` (then ``policy`` configures the list scheduler).
     """
 
     bounds: tuple[int, ...]
-    family: str
-    placement: tuple[int, ...]
+    family: Placement
     schedule: str
     policy: ListSchedulerConfig | None = None
+
+    def __post_init__(self) -> None:
+        assert self.num_stages % self.family.stages_per_rank == 0, (self.bounds, self.family)
+        assert (self.schedule == "list") == (self.policy is not None), (self.schedule, self.policy)
 
     @property
     def num_stages(self) -> int:
         return len(self.bounds) - 1
 
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """Stage -> rank."""
+        return self.family.stage_ranks(self.num_stages // self.family.stages_per_rank)
+
+    @property
+    def label(self) -> str:
+        """The schedule as reports name it: the entry's name, or ``list(<priority>-first, <I/W|B>, <memory>)``."""
+        if self.policy is None:
+            return self.schedule
+        split = "I/W" if self.policy.split_backward else "B"
+        memory = "reserve" if self.policy.reserve_memory else "per-stage"
+        return f"list({self.policy.priority}-first, {split}, {memory})"
+
     def describe(self) -> str:
         sizes = [self.bounds[s + 1] - self.bounds[s] for s in range(self.num_stages)]
-        name = self.schedule
-        if self.policy is not None:
-            split = "I/W" if self.policy.split_backward else "B"
-            memory = "reserve" if self.policy.reserve_memory else "per-stage"
-            name = f"list({self.policy.priority}-first, {split}, {memory})"
-        return f"{name} on {self.family} placement, layers per stage {sizes}"
+        return f"{self.label} on {self.family.label} placement, layers per stage {sizes}"
 
 
 @dataclass(frozen=True)
@@ -140,7 +139,7 @@ class Score:
 
 
 class Evaluator:
-    """Builds and scores candidates for one (profile, p, m, caps); caches library orders."""
+    """Builds and scores candidates for one (profile, p, m, caps); caches the registry's orders."""
 
     def __init__(
         self,
@@ -151,7 +150,9 @@ class Evaluator:
         memory_caps: Mapping[int, int],
         default_link: Link | None = None,
         overlap: OverlapModel | None = None,
+        registry: ScheduleRegistry = DEFAULT_SCHEDULES,
     ) -> None:
+        self.registry = registry
         self.layers = Layers.from_profile(profile)
         self.num_ranks, self.m = num_ranks, num_microbatches
         self.caps = dict(memory_caps)
@@ -168,7 +169,7 @@ class Evaluator:
         self.model = profile.model
         self.tied = tuple(profile.tied_parameters)
         self.evaluations = 0
-        self._library: dict[tuple[str, str], dict[int, list[Action]] | None] = {}
+        self._library: dict[str, dict[int, list[Action]] | None] = {}
 
     def cost_model(self, bounds: Sequence[int]) -> CostModel:
         stages = tuple(self.layers.stage_cost(bounds[s], bounds[s + 1]) for s in range(len(bounds) - 1))
@@ -182,24 +183,24 @@ class Evaluator:
             microbatch_size=self.microbatch_size,
         )
 
-    def library_order(self, family: str, name: str) -> dict[int, list[Action]] | None:
-        """A library schedule's compute order for (p, m), or None where it does not apply."""
-        key = (family, name)
-        if key not in self._library:
+    def library_order(self, name: str) -> dict[int, list[Action]] | None:
+        """Registry entry ``name``'s compute order for (p, m), or None where it does not apply."""
+        if name not in self._library:
+            entry = self.registry.entry(name)  # an unknown name is an error, not "does not apply"
             try:
-                plan = LIBRARY[family][name](self.num_ranks, self.m)
+                plan = entry.generate(self.num_ranks, self.m)
             except ValueError:
-                self._library[key] = None
+                self._library[name] = None
             else:
-                self._library[key] = {
+                self._library[name] = {
                     r: [a for a in actions if a.kind.is_compute] for r, actions in rank_actions(plan).items()
                 }
-        return self._library[key]
+        return self._library[name]
 
     def compute(self, candidate: Candidate, model: CostModel) -> dict[int, list[Action]] | None:
         """The candidate's compute order per rank, or None where its schedule does not apply."""
         if candidate.schedule != "list":
-            return self.library_order(candidate.family, candidate.schedule)
+            return self.library_order(candidate.schedule)
         assert candidate.policy is not None
         try:
             return list_schedule(model, candidate.placement, self.m, memory_caps=self.caps, config=candidate.policy)
@@ -241,7 +242,7 @@ class Evaluator:
                 else:
                     add(kind=action.kind.proto, stage_index=action.stage, microbatch_index=action.microbatch)
         plan.labels["schedule"] = candidate.schedule
-        plan.labels["placement"] = candidate.family
+        plan.labels["placement"] = candidate.family.label
         plan.labels["tuned_by"] = "octopipe.tune"
         if validate:
             validate_plan(plan)

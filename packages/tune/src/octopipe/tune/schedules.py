@@ -18,12 +18,22 @@ from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import CostModel, StageCost
 from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
 
-__all__ = ["gpipe", "interleaved_1f1b", "one_f_one_b", "unit_costs", "zb_h1", "zb_h2"]
+__all__ = [
+    "check_schedule_args",
+    "compute_plan",
+    "gpipe",
+    "interleaved_1f1b",
+    "one_f_one_b",
+    "unit_costs",
+    "zb_h1",
+    "zb_h2",
+]
 
 
-def _check(
+def check_schedule_args(
     num_ranks: int, num_microbatches: int, layer_names: Sequence[Sequence[str]] | None, num_chunks: int = 1
 ) -> None:
+    """A generator's arguments: ValueError saying what to change (``num_chunks`` stages per rank)."""
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
     if num_chunks < 1:
@@ -41,7 +51,7 @@ def _check(
         )
 
 
-def _plan(
+def compute_plan(
     name: str,
     compute: dict[int, list[Action]],
     num_ranks: int,
@@ -52,6 +62,8 @@ def _plan(
     labels: dict[str, str] | None = None,
     placement: Sequence[int] | None = None,
 ) -> plan_pb2.Plan:
+    """A generator's Plan from each rank's compute actions: p2p added, named ``<name>-p<p>[-v<chunks>]-m<m>``,
+    labelled ``schedule=<name>``; stage s on ``placement[s]`` (default: rank s % p)."""
     num_stages = num_ranks * num_chunks
     ranks = dict(enumerate(placement)) if placement is not None else {s: s % num_ranks for s in range(num_stages)}
     stages = [
@@ -71,20 +83,20 @@ def gpipe(
     num_ranks: int, num_microbatches: int, *, layer_names: Sequence[Sequence[str]] | None = None
 ) -> plan_pb2.Plan:
     """GPipe: every forward, then every backward (stage s on rank s)."""
-    _check(num_ranks, num_microbatches, layer_names)
+    check_schedule_args(num_ranks, num_microbatches, layer_names)
     compute = {
         r: [Action(ActionKind.FORWARD, r, mb) for mb in range(num_microbatches)]
         + [Action(ActionKind.FULL_BACKWARD, r, mb) for mb in range(num_microbatches)]
         for r in range(num_ranks)
     }
-    return _plan("gpipe", compute, num_ranks, num_microbatches, layer_names)
+    return compute_plan("gpipe", compute, num_ranks, num_microbatches, layer_names)
 
 
 def one_f_one_b(
     num_ranks: int, num_microbatches: int, *, layer_names: Sequence[Sequence[str]] | None = None
 ) -> plan_pb2.Plan:
     """1F1B: rank r warms up with p-r-1 forwards, then alternates F and B, then drains."""
-    _check(num_ranks, num_microbatches, layer_names)
+    check_schedule_args(num_ranks, num_microbatches, layer_names)
     compute: dict[int, list[Action]] = {}
     for r in range(num_ranks):
         warmup = min(num_ranks - r - 1, num_microbatches)
@@ -96,7 +108,7 @@ def one_f_one_b(
             Action(ActionKind.FULL_BACKWARD, r, mb) for mb in range(num_microbatches - warmup, num_microbatches)
         )
         compute[r] = program
-    return _plan("1f1b", compute, num_ranks, num_microbatches, layer_names)
+    return compute_plan("1f1b", compute, num_ranks, num_microbatches, layer_names)
 
 
 def interleaved_1f1b(
@@ -114,7 +126,7 @@ def interleaved_1f1b(
     forwards cycling through its chunks in order and backwards in reverse.
     """
     p, v, m = num_ranks, num_chunks, num_microbatches
-    _check(p, m, layer_names, v)
+    check_schedule_args(p, m, layer_names, v)
     rounds = max(1, m // p)
     if m % rounds:
         raise ValueError(
@@ -128,7 +140,7 @@ def interleaved_1f1b(
         forwards = [(k // per_round) % v * p + r for k in range(m * v)]
         backwards = [(v - 1 - (k // per_round) % v) * p + r for k in range(m * v)]
         compute[r] = _one_f_one_b_order(forwards, backwards, warmup)
-    return _plan("interleaved-1f1b", compute, p, m, layer_names, num_chunks=v)
+    return compute_plan("interleaved-1f1b", compute, p, m, layer_names, num_chunks=v)
 
 
 def zb_h1(
@@ -143,7 +155,7 @@ def zb_h1(
     micro-batches, on rank 0).
     """
     p, m = num_ranks, num_microbatches
-    _check(p, m, layer_names)
+    check_schedule_args(p, m, layer_names)
     compute: dict[int, list[Action]] = {}
     for r in range(p):
         warmup = min(p - 1 - r, m)
@@ -158,7 +170,7 @@ def zb_h1(
                 weights += 1
         program.extend(Action(ActionKind.BACKWARD_WEIGHT, r, mb) for mb in range(weights, m))
         compute[r] = program
-    return _plan("zb-h1", compute, p, m, layer_names)
+    return compute_plan("zb-h1", compute, p, m, layer_names)
 
 
 def zb_h2(
@@ -176,12 +188,12 @@ def zb_h2(
     is m(F+B+W) plus at most (p-1)(F+B-2W) (0 when F = B = W).
     """
     p, m = num_ranks, num_microbatches
-    _check(p, m, layer_names)
+    check_schedule_args(p, m, layer_names)
     config = ListSchedulerConfig(
         priority="forward", max_in_flight=[2 * p - 1] * p, max_ahead=[2 * (p - r) - 1 for r in range(p)]
     )
     compute = list_schedule(unit_costs(p), list(range(p)), m, config=config)
-    return _plan("zb-h2", compute, p, m, layer_names)
+    return compute_plan("zb-h2", compute, p, m, layer_names)
 
 
 def unit_costs(num_stages: int) -> CostModel:

@@ -16,7 +16,7 @@ from octopipe.ir import Action, ActionKind
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import simulate
 from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
-from octopipe.tune.schedules import _check, _plan, unit_costs
+from octopipe.tune.schedules import check_schedule_args, compute_plan, unit_costs
 
 __all__ = ["dualpipe_v", "v_half", "v_min", "v_placement", "zb_v"]
 
@@ -31,11 +31,13 @@ def v_placement(num_ranks: int) -> list[int]:
 def _v_plan(
     name: str, compute: dict[int, list[Action]], p: int, m: int, layer_names: Sequence[Sequence[str]] | None
 ) -> plan_pb2.Plan:
-    return _plan(name, compute, p, m, layer_names, num_chunks=2, placement=v_placement(p), labels={"placement": "v"})
+    return compute_plan(
+        name, compute, p, m, layer_names, num_chunks=2, placement=v_placement(p), labels={"placement": "v"}
+    )
 
 
 def _check_v(p: int, m: int, layer_names: Sequence[Sequence[str]] | None) -> None:
-    _check(p, m, layer_names, num_chunks=2)
+    check_schedule_args(p, m, layer_names, num_chunks=2)
 
 
 def zb_v(num_ranks: int, num_microbatches: int, *, layer_names: Sequence[Sequence[str]] | None = None) -> plan_pb2.Plan:
