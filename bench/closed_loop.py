@@ -3,7 +3,7 @@
 For each workload (2 ranks, m = 8): profile the layers and the link, tune (the
 fastest predicted plan: ``min_gain`` 0, so the loop has something to correct),
 run that plan ``--steps`` steps, then do what the coordinator's closed loop does
-after its first steps (``control.adapt.retune``: calibrate the profile with the
+after its first steps (``octopipe.tune.retune``: calibrate the profile with the
 run's measured timelines, re-schedule the same stages on the same ranks, pick the
 best predicted candidate, switching when it is predicted ``MIN_ADAPT_GAIN`` faster). If it switches, the running plan and the new one run
 alternately (A B A B, ``--rounds`` each, ``--steps`` steps per launch, the first
@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from quiet import Environment, add_arguments, start, step_summary, write_record
 
-from octopipe.execute.control.adapt import retune
 from octopipe.execute.control.coordinator import MIN_ADAPT_GAIN
 from octopipe.execute.linkprobe import measure_link
 from octopipe.execute.pipeline import profile_reference, tune_reference
@@ -40,7 +39,7 @@ from octopipe.execute.runtime import (
     timelines_to_proto,
     workload_reference,
 )
-from octopipe.tune import TuneConfig
+from octopipe.tune import TuneConfig, retune
 
 M, P = 8, 2
 

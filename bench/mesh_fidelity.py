@@ -9,7 +9,7 @@ ZB-H1), with UNSHARD / REDUCE_GRAD / RESHARD placed by
 2. run the plan on 4 gloo ranks for ``--steps`` steps (the first is warm-up),
    recording every action's start and end;
 3. simulate the same plan with the profiled costs, the pipeline link
-   ``runtime.LOCAL_GLOO_LINK`` and the same link for the dp and ep groups
+   ``simulate.LOCAL_GLOO_LINK`` and the same link for the dp and ep groups
    (``GroupLinks``: ring all-gather / reduce-scatter, all-to-all);
 4. compare per action kind and stage: the profiled (simulator's) duration vs
    the measured median over replicas and timed steps; and the step time:
@@ -52,7 +52,6 @@ import torch
 from octopipe.capture import split_model
 from octopipe.execute.pipeline import layer_names, profile_reference
 from octopipe.execute.runtime import (
-    LOCAL_GLOO_LINK,
     RunResult,
     build_model,
     measured_step_times_us,
@@ -63,7 +62,7 @@ from octopipe.execute.runtime import (
 from octopipe.ir import ActionKind, CollectivePlacement, parse_action, with_collectives
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import CostModel, GroupLinks, durations_from_timelines, simulate
+from octopipe.simulate import LOCAL_GLOO_LINK, CostModel, GroupLinks, durations_from_timelines, simulate
 from octopipe.tune import equal_partition, one_f_one_b, zb_h1
 
 OUT = Path(__file__).parent / "results" / "mesh_fidelity.json"

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from octopipe.execute.runtime import (
-    LOCAL_GLOO_LINK,
     build_model,
     measured_step_times_us,
     run_local_many,
@@ -39,7 +38,7 @@ from octopipe.execute.runtime import (
     workload_reference,
 )
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate import CostModel, StageCost, durations_from_timelines, simulate
+from octopipe.simulate import LOCAL_GLOO_LINK, CostModel, StageCost, durations_from_timelines, simulate
 from octopipe.tune import equal_partition, one_f_one_b, zb_h1
 
 RESULTS = Path(__file__).resolve().parent / "results" / "runtime_overhead.json"

@@ -30,7 +30,7 @@ from quiet import percentile
 from torch.distributed.pipelining import PipelineStage, schedules
 
 from octopipe.capture import StageModule, pipeline_spec
-from octopipe.execute.interop import TORCH_SCHEDULES, torch_placement, torch_schedule_plan
+from octopipe.execute.interop import torch_placement, torch_schedule_plan
 from octopipe.execute.linkprobe import free_port
 from octopipe.execute.runtime import measured_step_times_us, run_local, workload_reference
 from octopipe.execute.runtime.models import build_model
@@ -99,7 +99,7 @@ def run_torch(name: str, reference: Any, m: int, steps: int) -> tuple[list[float
 
 def run_octopipe(name: str, reference: Any, m: int, steps: int) -> list[float]:
     names = build_model(reference).model.pipeline_layers()  # type: ignore[operator]
-    parts = equal_partition(names, 2 * TORCH_SCHEDULES[name])
+    parts = equal_partition(names, len(torch_placement(name, 2)))
     if name == "Schedule1F1B":  # torch 2.13's 1F1B order is off by one on the last rank (it runs fine): use ours
         plan = one_f_one_b(2, m, layer_names=parts)
         plan.model.CopyFrom(reference)

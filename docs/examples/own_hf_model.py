@@ -20,9 +20,9 @@ from torch import nn
 
 from octopipe.execute import configure_logging
 from octopipe.execute.pipeline import profile_reference, tune_reference
-from octopipe.execute.runtime import local_cost_model, run_local
+from octopipe.execute.runtime import run_local
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate import verify_plan
+from octopipe.simulate import local_cost_model, verify_plan
 from octopipe.tune import TuneConfig
 
 VOCAB, SEQUENCE, BATCH = 128, 16, 8

@@ -17,10 +17,10 @@ from torch import nn
 
 from octopipe.execute import configure_logging
 from octopipe.execute.pipeline import profile_reference, tune_reference
-from octopipe.execute.runtime import local_cost_model, reference_run, run_local
+from octopipe.execute.runtime import reference_run, run_local
 from octopipe.ir import format_grid
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate import verify_plan
+from octopipe.simulate import local_cost_model, verify_plan
 from octopipe.tune import TuneConfig
 
 VOCAB, HIDDEN, SEQUENCE, BATCH = 64, 32, 16, 16

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from octopipe.execute.pipeline import calibrate_in_situ
-from octopipe.execute.runtime import RunResult, local_cost_model
+from octopipe.execute.runtime import RunResult
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import simulate
+from octopipe.simulate import local_cost_model, simulate
 from octopipe.tune import one_f_one_b, zb_h1
 
 NAMES = [["l0", "l1"], ["l2", "l3"]]

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from octopipe.execute.cli import EXIT_OK, EXIT_USAGE, main
-from octopipe.ir import load_plan, plan_to_text, rank_actions
-from octopipe.tune import one_f_one_b
+from octopipe.ir import load_plan, plan_from_text, plan_to_text, rank_actions, stage_ranks
+from octopipe.tune import DEFAULT_SCHEDULES, Placement, ScheduleEntry, one_f_one_b, zb_h1
 
 # The console script where the package is installed (scripts/setup.sh); `python -m` where it is
 # only on the path (Pants' test sandbox). Both run octopipe.execute.cli:entry.
@@ -105,6 +105,26 @@ def test_show_example_as_every_format(capsys: pytest.CaptureFixture[str]) -> Non
     assert json.loads(capsys.readouterr().out)["name"] == "gpipe-p2-m4"
     assert main(["plan", "show", "--example", "1f1b", "--as", "csv", "--compute-only"]) == EXIT_OK
     assert capsys.readouterr().out.splitlines()[0] == "0F0,0F1,0B0,0F2,0B1,0F3,0B2,0B3"
+
+
+@pytest.mark.parametrize("name", [entry.name for entry in DEFAULT_SCHEDULES.tunable])
+def test_every_registry_schedule_is_an_example(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "show", "--example", name, "--as", "text"]) == EXIT_OK
+    plan = plan_from_text(capsys.readouterr().out)
+    assert plan.labels["schedule"] == name
+    assert stage_ranks(plan) == dict(enumerate(DEFAULT_SCHEDULES.entry(name).placement.stage_ranks(2)))
+
+
+def test_show_example_of_a_registered_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    """A schedule registered in a test (ZB-H1 under a new name) is offered by ``plan show --example``."""
+    toy = ScheduleEntry(name="toy-zb", placement=Placement.linear(), generator=zb_h1, split_backward=True)
+    registry = DEFAULT_SCHEDULES.with_entry(toy)
+    assert main(["plan", "show", "--example", "toy-zb", "--as", "text"], registry=registry) == EXIT_OK
+    plan = plan_from_text(capsys.readouterr().out)
+    assert plan.name == "toy-zb-p2-m4" and plan.labels["schedule"] == "toy-zb"
+    assert rank_actions(plan) == rank_actions(zb_h1(2, 4))
+    assert main(["plan", "show", "--example", "toy-zb"]) == EXIT_USAGE  # not in the default registry
+    assert "invalid choice: 'toy-zb'" in capsys.readouterr().err
 
 
 def test_convert_between_formats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from octopipe.execute.interop import TORCH_SCHEDULES, torch_placement, torch_schedule_plan
+from octopipe.execute.interop import torch_placement, torch_schedule_plan, torch_schedules
 from octopipe.ir import Action, PlanError, plan_from_torch_csv, plan_to_torch_csv, rank_actions, stage_ranks
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import simulate, uniform_profile, verify_plan
+from octopipe.tune import DEFAULT_SCHEDULES
 
+TORCH_SCHEDULES = torch_schedules()  # class -> stages per rank, from the schedule registry
 WORKING = [name for name in TORCH_SCHEDULES if name != "Schedule1F1B"]
 
 
@@ -54,3 +56,30 @@ def test_unknown_schedule_and_wrong_layer_count() -> None:
         torch_schedule_plan("ScheduleMagic", num_ranks=2, num_microbatches=4)
     with pytest.raises(ValueError, match="has 4 stages; layer_names has 2"):
         torch_schedule_plan("ScheduleZBVZeroBubble", num_ranks=2, num_microbatches=4, layer_names=[["a"], ["b"]])
+
+
+def test_the_registry_names_torch_classes_that_exist_and_places_stages_as_torch_does() -> None:
+    from torch.distributed.pipelining import schedules
+
+    assert set(TORCH_SCHEDULES) == set(DEFAULT_SCHEDULES.torch_classes)
+    for entry in DEFAULT_SCHEDULES:
+        if entry.torch_class is None:
+            continue
+        assert hasattr(schedules, entry.torch_class), entry.torch_class
+        for ranks in (2, 3):
+            assert torch_placement(entry.torch_class, ranks) == dict(enumerate(entry.placement.stage_ranks(ranks)))
+
+
+@pytest.mark.parametrize(
+    "name", [e.name for e in DEFAULT_SCHEDULES.tunable if e.torch_class not in (None, "Schedule1F1B")]
+)
+@pytest.mark.parametrize(("ranks", "m"), [(2, 4), (4, 8)])
+def test_registry_generators_order_their_actions_as_their_torch_class(name: str, ranks: int, m: int) -> None:
+    entry = DEFAULT_SCHEDULES.entry(name)
+    assert entry.torch_class is not None
+    ours, theirs = entry.generate(ranks, m), torch_schedule_plan(entry.torch_class, num_ranks=ranks, num_microbatches=m)
+
+    def compute(plan: plan_pb2.Plan) -> dict[int, list[str]]:
+        return {r: [str(a) for a in acts if a.kind.is_compute] for r, acts in rank_actions(plan).items()}
+
+    assert compute(ours) == compute(theirs)

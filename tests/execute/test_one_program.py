@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from octopipe.execute.pipeline import tune_reference
-from octopipe.execute.runtime import Channels, CommTimeout, local_cost_model, run_local_many
+from octopipe.execute.runtime import Channels, CommTimeout, run_local_many
 from octopipe.ir import DeadlockError, PlanError, compile_plan, rank_actions
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate import CostModel, Link, StageCost, simulate, uniform_profile, verify_plan
+from octopipe.simulate import CostModel, Link, StageCost, local_cost_model, simulate, uniform_profile, verify_plan
 from octopipe.tune import TuneConfig, one_f_one_b, zb_h1
 from octopipe.tune.problem import Layers
 from tests.execute.test_runtime import assert_bitwise, channel_order, make_plan

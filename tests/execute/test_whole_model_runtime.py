@@ -15,10 +15,10 @@ import torch
 
 from octopipe.capture import NumericsError
 from octopipe.execute.pipeline import layer_names, profile_reference, tune_reference
-from octopipe.execute.runtime import build_model, local_cost_model, reference_run, run_local, run_local_many
+from octopipe.execute.runtime import build_model, reference_run, run_local, run_local_many
 from octopipe.execute.runtime.whole_model import guard, whole_model_stages
 from octopipe.plan.v1 import plan_pb2
-from octopipe.simulate import verify_plan
+from octopipe.simulate import local_cost_model, verify_plan
 from octopipe.transform import StageExecutable, compile_stage
 from octopipe.tune import TuneConfig, equal_partition, one_f_one_b, zb_h1
 

@@ -10,6 +10,8 @@ from google.protobuf import json_format
 
 from octopipe.execute.cli import EXIT_OK, EXIT_USAGE, main
 from octopipe.simulate import load_plan, verify_plan
+from octopipe.tune import DEFAULT_SCHEDULES, Placement, ScheduleEntry
+from tests.tune.test_registry import interleaved_3
 from tests.tune.test_tune import heterogeneous
 
 
@@ -62,3 +64,20 @@ def test_unreadable_profile_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtur
     broken.write_text("{not json")
     assert main(["tune", str(broken), "--ranks", "2", "--microbatches", "2"]) == EXIT_USAGE
     assert "not an octopipe.profile.v1.Profile" in capsys.readouterr().err
+
+
+def test_tune_searches_the_registry_main_is_given(
+    profile_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A schedule on a new placement family, registered in a test: ``octopipe tune --families`` takes it."""
+    entry = ScheduleEntry(
+        name="interleaved-1f1b-3", placement=Placement.interleaved(3), generator=interleaved_3, split_backward=False
+    )
+    registry = DEFAULT_SCHEDULES.with_entry(entry)
+    argv = ["tune", str(profile_path), "--ranks", "2", "--microbatches", "4", "--kicks", "0"]
+    argv += ["--families", "interleaved-3", "--out", str(tmp_path / "tuned.binpb"), "--json"]
+    assert main(argv, registry=registry) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["best_by_family_us"]) == ["interleaved-3"]
+    assert main(argv) == EXIT_USAGE  # the default registry has no such family
+    assert "families ['interleaved-3']: choose from linear" in capsys.readouterr().err

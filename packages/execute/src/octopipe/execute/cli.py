@@ -33,7 +33,7 @@ from octopipe.ir import (
     save_plan,
 )
 from octopipe.plan.v1 import plan_pb2
-from octopipe.tune import gpipe, one_f_one_b
+from octopipe.tune import DEFAULT_SCHEDULES, ScheduleRegistry
 
 __all__ = [
     "EXIT_INTERNAL",
@@ -52,7 +52,6 @@ EXIT_RUN_FAILED = control_cmd.EXIT_RUN_FAILED
 EXIT_UNREACHABLE = control_cmd.EXIT_UNREACHABLE
 EXIT_INTERRUPTED = 130
 
-_SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 _FORMATS = ("binary", "json", "text", "csv")
 
 
@@ -74,8 +73,10 @@ def _version() -> str:
         return "0.0.0+unknown"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, registry: ScheduleRegistry = DEFAULT_SCHEDULES) -> argparse.ArgumentParser:
+    """The CLI's parser; ``plan show --example`` offers the generated schedules of ``registry``."""
     parser = _Parser(prog="octopipe", description="Pipeline-parallel training: plan, simulate, tune, run.")
+    parser.set_defaults(registry=registry)
     parser.add_argument("--version", action="version", version=f"octopipe {_version()}")
     parser.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -85,7 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     show = plan_sub.add_parser("show", help="print a plan as a rank x step grid, text, CSV or JSON")
     source = show.add_mutually_exclusive_group(required=True)
     source.add_argument("path", nargs="?", type=Path, help="plan file (.pb/.binpb, .json, .txt/.plan, .csv)")
-    source.add_argument("--example", choices=sorted(_SCHEDULES), help="a generated example plan instead of a file")
+    source.add_argument(
+        "--example",
+        choices=[entry.name for entry in registry.tunable],
+        help="a generated example plan (a schedule of the registry) instead of a file",
+    )
     show.add_argument("--ranks", type=int, default=2, help="ranks of the example plan")
     show.add_argument("--microbatches", type=int, default=4, help="micro-batches of the example plan")
     show.add_argument("--as", dest="fmt", choices=("grid", "text", "csv", "json"), default="grid")
@@ -115,15 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _example(name: str, ranks: int, microbatches: int) -> plan_pb2.Plan:
+def _example(registry: ScheduleRegistry, name: str, ranks: int, microbatches: int) -> plan_pb2.Plan:
     try:
-        return _SCHEDULES[name](ranks, microbatches)
+        return registry.entry(name).generate(ranks, microbatches)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
 
 def _plan_show(args: argparse.Namespace) -> int:
-    plan = _example(args.example, args.ranks, args.microbatches) if args.example else load_plan(args.path)
+    plan = (
+        _example(args.registry, args.example, args.ranks, args.microbatches) if args.example else load_plan(args.path)
+    )
     if args.json:
         args.fmt = "json"
     if args.fmt == "grid":
@@ -167,9 +174,9 @@ def _plan_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; return the exit code."""
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, *, registry: ScheduleRegistry = DEFAULT_SCHEDULES) -> int:
+    """Run the CLI; return the exit code. ``registry``: the schedules ``plan show --example`` and ``tune`` use."""
+    parser = build_parser(registry=registry)
     try:
         args = parser.parse_args(argv)
         configure_logging(fmt=args.log_format)

@@ -169,8 +169,7 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
     """The whole job; prints tables on ``console`` (None: silent) and returns the JSON summary."""
     from octopipe.execute import pipeline  # noqa: PLC0415
     from octopipe.execute.linkprobe import local_links, measure_link  # noqa: PLC0415
-    from octopipe.execute.runtime import local_cost_model  # noqa: PLC0415
-    from octopipe.simulate import verify_plan  # noqa: PLC0415
+    from octopipe.simulate import local_cost_model, verify_plan  # noqa: PLC0415
     from octopipe.tune import TuneConfig  # noqa: PLC0415
 
     log = structlog.get_logger("octopipe.demo")

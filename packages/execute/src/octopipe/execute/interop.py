@@ -3,9 +3,12 @@
 ``torch_schedule_plan`` asks torch's own schedule classes for their action
 order (they read only stage indices and sizes, so stand-in stages suffice and no
 process group is formed), turns each cell of it into an octopipe Action, adds
-the point-to-point actions and places the stages as torch does (interleaved:
-stage s on rank s % p; V-shaped schedules: stages s and 2p-1-s on rank s).
-The reverse, a Plan as torch CSV, is ``octopipe.ir.plan_to_torch_csv``.
+the point-to-point actions and places the stages as torch does. Which classes
+are known and where their stages go (one stage per rank; interleaved: stage s
+on rank s % p; V-shaped: stages s and 2p-1-s on rank s) is the schedule
+registry's (``octopipe.tune.DEFAULT_SCHEDULES``: each entry's ``torch_class``
+and ``placement``). The reverse, a Plan as torch CSV, is
+``octopipe.ir.plan_to_torch_csv``.
 """
 
 from __future__ import annotations
@@ -15,20 +18,9 @@ from typing import Any
 
 from octopipe.ir import Action, StageSpec, add_p2p_actions, build_plan, parse_action
 from octopipe.plan.v1 import plan_pb2
+from octopipe.tune import DEFAULT_SCHEDULES, ScheduleRegistry
 
-__all__ = ["TORCH_SCHEDULES", "torch_placement", "torch_schedule_plan"]
-
-#: torch schedule class -> stages per rank
-TORCH_SCHEDULES = {
-    "ScheduleGPipe": 1,
-    "Schedule1F1B": 1,
-    "ScheduleInterleaved1F1B": 2,
-    "ScheduleLoopedBFS": 2,
-    "ScheduleInterleavedZeroBubble": 2,
-    "ScheduleZBVZeroBubble": 2,
-    "ScheduleDualPipeV": 2,
-}
-_V_SHAPED = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
+__all__ = ["torch_placement", "torch_schedule_plan", "torch_schedules"]
 
 
 class _StandIn:
@@ -41,13 +33,14 @@ class _StandIn:
         self.is_first, self.is_last = index == 0, index == num_stages - 1
 
 
-def torch_placement(name: str, num_ranks: int) -> dict[int, int]:
-    """stage -> rank as torch places it for schedule class ``name``."""
-    per_rank = TORCH_SCHEDULES[name]
-    stages = num_ranks * per_rank
-    if name in _V_SHAPED:
-        return {s: s if s < num_ranks else stages - 1 - s for s in range(stages)}
-    return {s: s % num_ranks for s in range(stages)}
+def torch_schedules(registry: ScheduleRegistry = DEFAULT_SCHEDULES) -> dict[str, int]:
+    """torch schedule class -> stages per rank, for every class ``registry`` has an entry for."""
+    return {cls: registry.by_torch_class(cls).placement.stages_per_rank for cls in registry.torch_classes}
+
+
+def torch_placement(name: str, num_ranks: int, *, registry: ScheduleRegistry = DEFAULT_SCHEDULES) -> dict[int, int]:
+    """stage -> rank as torch places it for schedule class ``name`` (ValueError for a class without an entry)."""
+    return dict(enumerate(registry.by_torch_class(name).placement.stage_ranks(num_ranks)))
 
 
 def torch_schedule_plan(
@@ -57,13 +50,12 @@ def torch_schedule_plan(
     num_microbatches: int,
     layer_names: Sequence[Sequence[str]] | None = None,
     model: plan_pb2.ModelReference | None = None,
+    registry: ScheduleRegistry = DEFAULT_SCHEDULES,
 ) -> plan_pb2.Plan:
     """The Plan of torch's schedule class ``name`` (compute order from torch, p2p lowered here)."""
-    if name not in TORCH_SCHEDULES:
-        raise ValueError(f"unknown torch schedule {name!r}: choose one of {', '.join(TORCH_SCHEDULES)}")
+    placement = torch_placement(name, num_ranks, registry=registry)  # ValueError naming the classes
     from torch.distributed.pipelining import schedules  # noqa: PLC0415
 
-    placement = torch_placement(name, num_ranks)
     num_stages = len(placement)
     if layer_names is not None and len(layer_names) != num_stages:
         raise ValueError(f"{name} on {num_ranks} ranks has {num_stages} stages; layer_names has {len(layer_names)}")

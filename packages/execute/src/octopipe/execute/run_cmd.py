@@ -87,13 +87,12 @@ def run(args: argparse.Namespace) -> int:
 
     from octopipe.execute.profile_cmd import load_profile, save_profile  # noqa: PLC0415
     from octopipe.execute.runtime import (  # noqa: PLC0415
-        local_cost_model,
         measured_step_times_us,
         run_local,
         timelines_to_proto,
         write_side_by_side_trace,
     )
-    from octopipe.simulate import simulate  # noqa: PLC0415
+    from octopipe.simulate import local_cost_model, simulate  # noqa: PLC0415
 
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")

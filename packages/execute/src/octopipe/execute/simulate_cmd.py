@@ -11,7 +11,16 @@ from octopipe.execute.jsonout import estimate_json, print_json
 from octopipe.ir import load_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import CostModel, Estimate, Simulation, StageCost, simulate, uniform_profile, verify_plan
+from octopipe.simulate import (
+    CostModel,
+    Estimate,
+    Simulation,
+    StageCost,
+    local_cost_model,
+    simulate,
+    uniform_profile,
+    verify_plan,
+)
 
 __all__ = ["add_parser", "run", "simulate_file"]
 
@@ -43,8 +52,6 @@ def _costs(plan: plan_pb2.Plan, profile_path: Path | None) -> profile_pb2.Profil
             f"{profile_path} has no costs for layers {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}: "
             "profile the model the plan names (`octopipe profile --workload ...`)"
         )
-    from octopipe.execute.runtime import local_cost_model  # noqa: PLC0415 - loads torch
-
     return local_cost_model(plan, profile)
 
 

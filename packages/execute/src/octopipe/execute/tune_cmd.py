@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 from octopipe.execute.jsonout import estimate_json
 from octopipe.ir import plan_to_text, save_plan
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import Estimate, GroupLinks, Link
+from octopipe.simulate import Estimate, GroupLinks, Link, local_link
 from octopipe.tune import FAMILIES, MeshTuneConfig, MeshTuneResult, TuneConfig, TuneResult, tune, tune_mesh
 
 __all__ = ["add_parser", "load_profile", "parse_bytes", "run"]
@@ -113,8 +113,6 @@ def run(args: argparse.Namespace) -> int:
             "give --ranks and --microbatches (one pipeline), or --devices, --global-batch and --memory-cap"
         )
     profile = load_profile(args.profile)
-    from octopipe.execute.runtime import local_link  # noqa: PLC0415 - loads torch
-
     config = TuneConfig(
         num_ranks=args.ranks,
         num_microbatches=args.microbatches,
@@ -126,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         min_gain=args.min_gain,
         default_link=local_link(profile),  # the link `octopipe simulate` and `octopipe run` check it with
+        registry=args.registry,
     )
     result = tune(profile, config) if args.json else _tune_with_progress(profile, config)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -172,6 +171,7 @@ def _run_mesh(args: argparse.Namespace) -> int:
         pipeline_degrees=degrees,
         families=tuple(f.strip() for f in args.families.split(",") if f.strip()),
         max_microbatches=args.max_microbatches,
+        registry=args.registry,
     )
     result = tune_mesh(profile, config)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,6 @@ import grpc
 import structlog
 
 from octopipe.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
-from octopipe.execute.control.adapt import measured_gain, retune
 from octopipe.execute.control.common import TERMINAL_STATES, Server, Waiter, start_server, state_name
 from octopipe.execute.control.pushes import RunPusher
 from octopipe.execute.control.security import ADMIN, COORDINATOR, NODE, CertPaths, Claims, require_identity
@@ -36,6 +35,7 @@ from octopipe.execute.runtime.checkpoint import latest_checkpoint
 from octopipe.ir import mesh_spec
 from octopipe.node.v1 import node_pb2
 from octopipe.plan.v1 import plan_pb2
+from octopipe.tune.retune import measured_gain, retune
 
 __all__ = ["Coordinator", "CoordinatorConfig"]
 

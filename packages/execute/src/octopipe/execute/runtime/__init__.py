@@ -4,9 +4,6 @@ from octopipe.execute.runtime.comm import Aborted, Channels, CommTimeout
 from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime, StepFailure
 from octopipe.execute.runtime.launcher import RunFailed, RunResult, run_local, run_local_many
 from octopipe.execute.runtime.measure import (
-    LOCAL_GLOO_LINK,
-    local_cost_model,
-    local_link,
     measured_step_times_us,
     median_step_time_us,
     side_by_side_trace,
@@ -18,7 +15,6 @@ from octopipe.execute.runtime.reference import ReferenceResult, reference_run
 from octopipe.execute.runtime.worker import WorkerConfig, worker_main
 
 __all__ = [
-    "LOCAL_GLOO_LINK",
     "Aborted",
     "ActionRecord",
     "BuiltModel",
@@ -31,8 +27,6 @@ __all__ = [
     "StepFailure",
     "WorkerConfig",
     "build_model",
-    "local_cost_model",
-    "local_link",
     "measured_step_times_us",
     "median_step_time_us",
     "reference_run",
