@@ -44,7 +44,7 @@ __all__ = [
 PlacementKind = Literal["linear", "interleaved", "v"]
 #: names the tuner and the closed loop use for plans that are not registry entries
 RESERVED_NAMES = frozenset({"list", "list-zb", "current"})
-_KIND_ORDER: dict[str, int] = {"linear": 0, "interleaved": 1, "v": 2}
+_KINDS: tuple[PlacementKind, ...] = ("linear", "interleaved", "v")  # simplest first
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class Placement:
     chunks: int = 1
 
     def __post_init__(self) -> None:
-        if self.kind not in _KIND_ORDER:
+        if self.kind not in _KINDS:
             raise ValueError(f"unknown placement kind {self.kind!r}: use 'linear', 'interleaved' or 'v'")
         expected = {"linear": 1, "v": 2}.get(self.kind)
         if expected is not None and self.chunks != expected:
@@ -93,7 +93,7 @@ class Placement:
     @property
     def simplicity(self) -> tuple[int, int]:
         """Sort key, simplest first: linear, interleaved by chunk count, then the V."""
-        return (_KIND_ORDER[self.kind], self.chunks)
+        return (_KINDS.index(self.kind), self.chunks)
 
     def stage_ranks(self, num_ranks: int) -> tuple[int, ...]:
         """Stage -> rank for ``num_ranks`` ranks (index: stage)."""
