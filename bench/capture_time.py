@@ -37,9 +37,9 @@ from quiet import require_quiet
 
 from octopipe.capture import trace_model
 from octopipe.execute.runtime.pinning import pin_rank
+from octopipe.execute.runtime.stages import stage_key
 from octopipe.execute.runtime.whole_model import guard, whole_model_stages
-from octopipe.execute.runtime.worker import _CaptureCache
-from octopipe.transform import StageExecutable
+from octopipe.transform import StageCompiler, StageExecutable
 from tests.hf_models import FAMILIES as HF
 
 REPEATS = 3
@@ -87,11 +87,16 @@ def measure(name: str, build: Callable[[], Any], stages: int) -> dict[str, objec
     steps: list[float] = []
     guards: list[float] = []
     for _ in range(REPEATS):
-        cache = _CaptureCache()
+        cache = StageCompiler()
         for round_ in ("cold", "cached"):
             start = time.perf_counter()
             whole = whole_model_stages(model, NAMES, microbatches[0], split(layers, stages))
-            exes = {s: cache.executable(stage, whole.examples[s]) for s, stage in enumerate(whole.stages)}
+            exes = {
+                s: cache.executable(
+                    stage, whole.examples[s], stage_index=s, key=stage_key(stage, whole.examples[s], b"")
+                )
+                for s, stage in enumerate(whole.stages)
+            }
             (cold if round_ == "cold" else cached).append(time.perf_counter() - start)
         steps.append(step_seconds(exes, microbatches))
         start = time.perf_counter()

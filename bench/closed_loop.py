@@ -33,6 +33,7 @@ from octopipe.execute.control.coordinator import MIN_ADAPT_GAIN
 from octopipe.execute.linkprobe import measure_link
 from octopipe.execute.pipeline import profile_reference, tune_reference
 from octopipe.execute.runtime import (
+    RunOptions,
     measured_step_times_us,
     run_local,
     run_local_many,
@@ -49,7 +50,7 @@ def bench(name: str, args: argparse.Namespace, env: Environment) -> dict[str, An
     link, _ = measure_link()
     profile = profile_reference(reference, num_microbatches=M, num_ranks=P, link=link)
     tuned = tune_reference(profile, TuneConfig(num_ranks=P, num_microbatches=M, time_budget_s=30.0))
-    first = run_local(tuned.plan, steps=args.steps, timeout_s=900.0)
+    first = run_local(tuned.plan, RunOptions(steps=args.steps, timeout_s=900.0))
     env.record(first.cores)
     timelines = [t for t in timelines_to_proto(first) if t.step > 0]  # the loop, like the coordinator, skips warm-up
     loop = retune(tuned.plan, profile, timelines)
@@ -69,7 +70,7 @@ def bench(name: str, args: argparse.Namespace, env: Environment) -> dict[str, An
         return row
     times: dict[str, list[float]] = {"current": [], "switched": []}
     for _ in range(args.rounds):
-        runs = run_local_many([tuned.plan, loop.plan], steps=args.steps, timeout_s=900.0)
+        runs = run_local_many([tuned.plan, loop.plan], RunOptions(steps=args.steps, timeout_s=900.0))
         for key, run in zip(("current", "switched"), runs, strict=True):
             env.record(run.cores)
             times[key] += measured_step_times_us(run)[1:]

@@ -30,7 +30,7 @@ from octopipe.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from octopipe.execute.control import ControlClient, make_certs
 from octopipe.execute.control.common import start_server
 from octopipe.execute.control.security import CertPaths, node_identity, secure_channel
-from octopipe.execute.linkprobe import free_port
+from octopipe.execute.processes import free_port
 from octopipe.execute.runtime import workload_reference
 from octopipe.node.v1 import node_pb2, node_pb2_grpc
 from octopipe.tune import equal_partition, one_f_one_b

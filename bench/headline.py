@@ -38,7 +38,7 @@ from vs_torch import SCHEDULES, run_torch
 
 from octopipe.execute.linkprobe import measure_link
 from octopipe.execute.pipeline import calibrate_in_situ, layer_names, profile_reference, tune_reference
-from octopipe.execute.runtime import measured_step_times_us, run_local, run_local_many, workload_reference
+from octopipe.execute.runtime import RunOptions, measured_step_times_us, run_local, run_local_many, workload_reference
 from octopipe.tune import TuneConfig, equal_partition, one_f_one_b, zb_h1
 
 M, P = 8, 2
@@ -54,7 +54,7 @@ def bench(name: str, args: argparse.Namespace, env: Environment) -> dict[str, An
     sources = [schedule(P, M, layer_names=equal_partition(names, P)) for schedule in (one_f_one_b, zb_h1)] * 2
     for source in sources:
         source.model.CopyFrom(reference)
-    calibration_runs = run_local_many(sources, steps=args.steps, timeout_s=timeout)
+    calibration_runs = run_local_many(sources, RunOptions(steps=args.steps, timeout_s=timeout))
     env.record(calibration_runs[0].cores)
     in_situ = calibrate_in_situ(profile, list(zip(sources, calibration_runs, strict=True)))
     uncalibrated = tune_reference(profile, TuneConfig(num_ranks=P, num_microbatches=M, time_budget_s=60.0))
@@ -65,7 +65,7 @@ def bench(name: str, args: argparse.Namespace, env: Environment) -> dict[str, An
     plan = tuned.plan
 
     def ours() -> list[float]:
-        run = run_local(plan, steps=args.steps, timeout_s=timeout)
+        run = run_local(plan, RunOptions(steps=args.steps, timeout_s=timeout))
         env.record(run.cores)
         return measured_step_times_us(run)[1:]
 

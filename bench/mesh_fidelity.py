@@ -52,6 +52,7 @@ import torch
 from octopipe.capture import split_model
 from octopipe.execute.pipeline import layer_names, profile_reference
 from octopipe.execute.runtime import (
+    RunOptions,
     RunResult,
     build_model,
     measured_step_times_us,
@@ -182,7 +183,7 @@ def bench_workload(name: str, steps: int) -> dict[str, Any]:
     finally:
         os.sched_setaffinity(0, cores)  # the ranks pin themselves over all cores
     plans = mesh_plans(reference, EP[name])
-    results = run_local_many(plans, steps=steps, timeout_s=600)
+    results = run_local_many(plans, RunOptions(steps=steps, timeout_s=600))
     rows = []
     for plan, result in zip(plans, results, strict=True):
         costs = cost_model(plan, profile)

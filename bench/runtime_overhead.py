@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from octopipe.execute.runtime import (
+    RunOptions,
     build_model,
     measured_step_times_us,
     run_local_many,
@@ -57,7 +58,7 @@ def plans() -> list[plan_pb2.Plan]:
 def measure(steps: int) -> list[dict[str, Any]]:
     rows = []
     chosen = plans()
-    runs = run_local_many(chosen, steps=steps, timeout_s=120)
+    runs = run_local_many(chosen, RunOptions(steps=steps, timeout_s=120))
     for plan, run in zip(chosen, runs, strict=True):
         # where the ranks ran, as they report it (versions before RunResult.cores: derived, below)
         ran_on = {str(rank): cores for rank, cores in getattr(run, "cores", {}).items()}

@@ -52,7 +52,7 @@ from quiet import Environment, add_arguments, start, write_record
 
 from octopipe.execute.linkprobe import measure_link
 from octopipe.execute.pipeline import calibrate_in_situ, compare, layer_names, profile_reference, tune_reference
-from octopipe.execute.runtime import run_local_many, workload_reference
+from octopipe.execute.runtime import RunOptions, run_local_many, workload_reference
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.tune import TuneConfig, dualpipe_v, equal_partition, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_v
@@ -106,15 +106,15 @@ def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environm
     plans = library(reference)
     # in-situ calibration: a short run of the two plain 2-stage plans (1F1B: fused backward; ZB-H1: split)
     sources = [plans[1], plans[3]] * 2
-    calibration_runs = run_local_many(sources, steps=args.steps, timeout_s=timeout)
+    calibration_runs = run_local_many(sources, RunOptions(steps=args.steps, timeout_s=timeout))
     env.record(calibration_runs[0].cores)
     in_situ = calibrate_in_situ(profile, list(zip(sources, calibration_runs, strict=True)))
     calibrated = in_situ.profile
     plans += [tuned_plan(profile, "tuned"), tuned_plan(calibrated, "tuned-calibrated")]
-    memory_runs = run_local_many(plans, steps=1, timeout_s=timeout, measure_memory=True)
+    memory_runs = run_local_many(plans, RunOptions(steps=1, timeout_s=timeout, measure_memory=True))
     env.record(memory_runs[0].cores)
     # every plan measured afresh, interleaved: every prediction (profiled or calibrated) is out of sample
-    runs = run_local_many(plans * args.rounds, steps=args.steps, timeout_s=timeout)
+    runs = run_local_many(plans * args.rounds, RunOptions(steps=args.steps, timeout_s=timeout))
     env.record(runs[0].cores)
     rows: list[dict[str, Any]] = []
     for index, plan in enumerate(plans):

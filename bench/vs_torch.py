@@ -31,8 +31,8 @@ from torch.distributed.pipelining import PipelineStage, schedules
 
 from octopipe.capture import StageModule, pipeline_spec
 from octopipe.execute.interop import torch_placement, torch_schedule_plan
-from octopipe.execute.linkprobe import free_port
-from octopipe.execute.runtime import measured_step_times_us, run_local, workload_reference
+from octopipe.execute.processes import free_port
+from octopipe.execute.runtime import RunOptions, measured_step_times_us, run_local, workload_reference
 from octopipe.execute.runtime.models import build_model
 from octopipe.execute.runtime.pinning import pin_rank
 from octopipe.plan.v1 import plan_pb2
@@ -105,7 +105,7 @@ def run_octopipe(name: str, reference: Any, m: int, steps: int) -> list[float]:
         plan.model.CopyFrom(reference)
     else:
         plan = torch_schedule_plan(name, num_ranks=2, num_microbatches=m, layer_names=parts, model=reference)
-    return measured_step_times_us(run_local(plan, steps=steps, timeout_s=300))
+    return measured_step_times_us(run_local(plan, RunOptions(steps=steps, timeout_s=300)))
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from octopipe.execute import configure_logging
 from octopipe.execute.pipeline import profile_reference, tune_reference
-from octopipe.execute.runtime import run_local
+from octopipe.execute.runtime import RunOptions, run_local
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import local_cost_model, verify_plan
 from octopipe.tune import TuneConfig
@@ -77,7 +77,7 @@ def main() -> None:
     verify_plan(tuned.plan, local_cost_model(tuned.plan, profile))
     print(f"tuned: {tuned.description}")
 
-    run = run_local(tuned.plan, steps=2, pin_cores=False)
+    run = run_local(tuned.plan, RunOptions(steps=2, pin_cores=False))
     eager = eager_losses(steps=2, microbatches=microbatches)
     print(f"pipelined losses {run.losses}")
     print(f"eager losses     {eager}")

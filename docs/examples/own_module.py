@@ -17,7 +17,7 @@ from torch import nn
 
 from octopipe.execute import configure_logging
 from octopipe.execute.pipeline import profile_reference, tune_reference
-from octopipe.execute.runtime import reference_run, run_local
+from octopipe.execute.runtime import RunOptions, reference_run, run_local
 from octopipe.ir import format_grid
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import local_cost_model, verify_plan
@@ -86,7 +86,7 @@ def main() -> None:
     print(f"tuned: {tuned.description}; predicted {tuned.speedup:.2f}x over 1F1B with equal layer counts")
     print(format_grid(tuned.plan, compute_only=True), end="")
 
-    run = run_local(tuned.plan, steps=2, pin_cores=False)
+    run = run_local(tuned.plan, RunOptions(steps=2, pin_cores=False))
     eager = reference_run(reference, num_microbatches=microbatches, steps=2)
     print(f"pipelined losses {run.losses}")
     print(f"eager losses     {eager.losses}")

@@ -9,7 +9,7 @@ import pytest
 
 from octopipe.execute.control import LocalCluster
 from octopipe.execute.pipeline import profile_reference
-from octopipe.execute.runtime import run_local
+from octopipe.execute.runtime import RunOptions, run_local
 from octopipe.ir import Action, ActionKind, StageSpec, add_p2p_actions, build_plan
 from octopipe.node.v1 import node_pb2
 from octopipe.plan.v1 import plan_pb2
@@ -42,7 +42,7 @@ def sequential(plan: plan_pb2.Plan) -> plan_pb2.Plan:
 def test_a_slow_plan_is_switched_at_a_step_boundary_and_losses_stay_exact(tmp_path: Path) -> None:
     plan = sequential(llama_plan(2, 4))
     steps = 24
-    expected = run_local(plan, steps=steps, pin_cores=False).losses
+    expected = run_local(plan, RunOptions(steps=steps, pin_cores=False)).losses
     profile = profile_reference(plan.model, num_microbatches=plan.num_microbatches, repeats=2)
     with LocalCluster(tmp_path) as running, running.client() as client:
         running.add_node("node0")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from octopipe.execute.control import LocalCluster, process_alive
-from octopipe.execute.runtime import run_local
+from octopipe.execute.runtime import RunOptions, run_local
 from octopipe.node.v1 import node_pb2
 from tests.execute import netns
 from tests.execute.control_cluster import llama_plan
@@ -25,7 +25,7 @@ pytestmark = [
 
 def test_two_hosts_run_a_plan_and_a_cut_link_stops_everything(tmp_path: Path) -> None:
     plan = llama_plan(2, 4)
-    expected = run_local(plan, steps=2, pin_cores=False).losses
+    expected = run_local(plan, RunOptions(steps=2, pin_cores=False)).losses
     with netns.hosts(2) as (gateway, hosts):
         addresses = [gateway, *(h.address for h in hosts)]
         running = LocalCluster(tmp_path, listen_host=gateway, hosts=addresses)

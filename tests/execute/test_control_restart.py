@@ -9,7 +9,7 @@ import pytest
 
 from octopipe.execute.control import Coordinator, CoordinatorConfig, NodeConfig, NodeDaemon, make_certs
 from octopipe.execute.control.client import ControlClient
-from octopipe.execute.linkprobe import free_port
+from octopipe.execute.processes import free_port
 from octopipe.node.v1 import node_pb2
 from tests.execute.control_cluster import llama_plan
 

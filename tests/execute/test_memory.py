@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from octopipe.execute.runtime import run_local_many
+from octopipe.execute.runtime import RunOptions, run_local_many
 from octopipe.plan.v1 import plan_pb2
 from octopipe.tune import gpipe, one_f_one_b
 
@@ -29,7 +29,7 @@ def test_allocator_peak_of_the_last_stage_equals_the_hand_count() -> None:
     plans = [schedule(2, m, layer_names=[["layers.0"], ["layers.1"]]) for schedule in (gpipe, one_f_one_b)]
     for plan in plans:
         plan.model.CopyFrom(model)
-    gpipe_run, one_f_one_b_run = run_local_many(plans, steps=1, measure_memory=True, timeout_s=120)
+    gpipe_run, one_f_one_b_run = run_local_many(plans, RunOptions(steps=1, measure_memory=True, timeout_s=120))
     for run in (gpipe_run, one_f_one_b_run):
         for rank in (0, 1):
             # held when the step starts: the weight and AdamW's two moments (+ its 4-byte step count)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from octopipe.execute.runtime import run_local
+from octopipe.execute.runtime import RunOptions, run_local
 from octopipe.execute.runtime.checkpoint import read_checkpoint
 from tests.execute.test_mesh_runtime import mesh_plans
 
@@ -19,12 +19,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 def test_a_moe_mesh_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path: Path) -> None:
     plan = mesh_plans("moe-ep-4", ep=2)[0]
-    whole = run_local(plan, steps=4, pin_cores=False, keep_params=True)
-    run_local(plan, steps=2, pin_cores=False, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    whole = run_local(plan, RunOptions(steps=4, pin_cores=False, keep_params=True))
+    run_local(plan, RunOptions(steps=2, pin_cores=False, checkpoint_dir=str(tmp_path), checkpoint_every=2))
     stored = read_checkpoint(tmp_path, 2)
     assert any("#replica1of2" in key for key in stored)  # the second replica's shards are there too
     resumed = run_local(
-        plan, steps=2, pin_cores=False, keep_params=True, checkpoint_dir=str(tmp_path), start_step=2, resume=True
+        plan,
+        RunOptions(steps=2, pin_cores=False, keep_params=True, checkpoint_dir=str(tmp_path), start_step=2, resume=True),
     )
     assert sorted(resumed.params) == sorted(whole.params)
     for name, value in whole.params.items():

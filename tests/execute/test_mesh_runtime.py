@@ -25,6 +25,7 @@ from octopipe.capture import StageGraphs, split_model
 from octopipe.execute.runtime import (
     Channels,
     RankRuntime,
+    RunOptions,
     RunResult,
     build_model,
     reference_run,
@@ -45,7 +46,7 @@ from octopipe.ir import (
     with_collectives,
 )
 from octopipe.plan.v1 import plan_pb2
-from octopipe.transform import StageExecutable, compile_stage
+from octopipe.transform import BWSplit, StageExecutable, compile_stage
 from octopipe.tune import (
     CollectivePlacement,
     equal_partition,
@@ -109,7 +110,7 @@ def assert_matches_reference(plans: Sequence[plan_pb2.Plan], runs: Sequence[RunR
 def test_llama_pp2_dp2_equals_the_reference() -> None:
     plans = mesh_plans("llama-8", ep=1)
     assert any(a.kind.name == "OVERLAP_F_B" for a in rank_actions(plans[3])[0])
-    runs = run_local_many(plans, steps=3, keep_grads=True, keep_params=True, timeout_s=180, pin_cores=False)
+    runs = run_local_many(plans, RunOptions(steps=3, keep_grads=True, keep_params=True, timeout_s=180, pin_cores=False))
     assert_matches_reference(plans, runs)
 
 
@@ -117,7 +118,7 @@ def test_llama_pp2_dp2_equals_the_reference() -> None:
 def test_moe_pp2_dp2_ep2_equals_the_reference() -> None:
     """Experts are split over the ep group (not FSDP-sharded); their gradients still equal the reference's."""
     plans = mesh_plans("moe-ep-4", ep=2)[:2]  # 1F1B and ZB-H1
-    runs = run_local_many(plans, steps=3, keep_grads=True, keep_params=True, timeout_s=180, pin_cores=False)
+    runs = run_local_many(plans, RunOptions(steps=3, keep_grads=True, keep_params=True, timeout_s=180, pin_cores=False))
     assert_matches_reference(plans, runs)
     assert any(".ffn.w1" in name for name in runs[0].grads)
 
@@ -132,7 +133,9 @@ def test_moe_pp1_dp4_ep2_sums_expert_gradients_over_the_ep_groups() -> None:
     plan.model.CopyFrom(reference)
     plan.mesh.dp, plan.mesh.ep = 4, 2
     plan = with_collectives(plan, AHEAD)
-    (run,) = run_local_many([plan], steps=2, keep_grads=True, keep_params=True, timeout_s=180, pin_cores=False)
+    (run,) = run_local_many(
+        [plan], RunOptions(steps=2, keep_grads=True, keep_params=True, timeout_s=180, pin_cores=False)
+    )
     ref = reference_run(plan.model, num_microbatches=4 * m, steps=2)
     assert run.losses == pytest.approx(ref.losses, rel=1e-6)
     for what, expected, actual in (("grad", ref.grads, run.grads), ("param", ref.params, run.params)):
@@ -154,7 +157,7 @@ def test_a_rank_map_and_the_tuners_collective_placement() -> None:
         del program.actions[:]
         program.actions.extend(action_to_proto(a) for a in placed[program.rank])
     plan.mesh.global_ranks[:] = [3, 1, 0, 2]
-    (run,) = run_local_many([plan], steps=1, keep_grads=True, timeout_s=180, pin_cores=False)
+    (run,) = run_local_many([plan], RunOptions(steps=1, keep_grads=True, timeout_s=180, pin_cores=False))
     ref = reference_run(plan.model, num_microbatches=M * DP, steps=1)
     assert run.losses == pytest.approx(ref.losses, rel=1e-6)
     for name, value in ref.grads.items():
@@ -261,6 +264,10 @@ class _FakeSharded:
     @property
     def graphs(self) -> StageGraphs:
         return self.exe.graphs
+
+    @property
+    def split(self) -> BWSplit:
+        return self.exe.split
 
     @property
     def static_tensors(self) -> list[torch.Tensor]:

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from octopipe.execute.pipeline import tune_reference
-from octopipe.execute.runtime import Channels, CommTimeout, run_local_many
+from octopipe.execute.runtime import Channels, CommTimeout, RunOptions, run_local_many
 from octopipe.ir import DeadlockError, PlanError, compile_plan, rank_actions
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import CostModel, Link, StageCost, local_cost_model, simulate, uniform_profile, verify_plan
@@ -62,7 +62,7 @@ def test_a_receive_posted_later_moves_in_the_simulation_and_in_the_run() -> None
     posted = [sim.timing.posted_recv[t] for sim, t in zip(sims, transfer, strict=True)]
     b0_end = {t.action: t.end_us for t in sims[1].timeline(1)}["1B0"]
     assert posted[0] < b0_end <= posted[1]  # simulated: posted before 1B0, then after it
-    runs = run_local_many([early, late], steps=2, keep_grads=True, timeout_s=120, pin_cores=False)
+    runs = run_local_many([early, late], RunOptions(steps=2, keep_grads=True, timeout_s=120, pin_cores=False))
     for plan, program, run in zip((early, late), programs, runs, strict=True):
         for rank, steps in run.timelines.items():
             records = steps[-1]["records"]
@@ -172,7 +172,7 @@ def test_the_launcher_refuses_every_plan_the_verifier_refuses(seed: int) -> None
         verify_plan(mutated)
     except PlanError as refusal:
         with pytest.raises(PlanError) as caught:
-            run_local_many([mutated], timeout_s=5)
+            run_local_many([mutated], RunOptions(timeout_s=5))
         assert str(caught.value) == str(refusal)  # the same check, the same message, before any rank starts
     # a plan the verifier accepts must run: test_a_plan_the_verifier_accepts_after_a_move_runs
 
@@ -192,7 +192,7 @@ def test_a_plan_the_verifier_accepts_after_a_move_runs() -> None:
         accepted = candidate
         break
     assert accepted is not None
-    runs = run_local_many([BASE, accepted], steps=1, keep_grads=True, timeout_s=120, pin_cores=False)
+    runs = run_local_many([BASE, accepted], RunOptions(steps=1, keep_grads=True, timeout_s=120, pin_cores=False))
     assert runs[0].losses == runs[1].losses
     assert_bitwise(runs[0].grads, runs[1].grads)
 

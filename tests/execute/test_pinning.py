@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from octopipe.execute.runtime import run_local
+from octopipe.execute.runtime import RunOptions, run_local
 from octopipe.execute.runtime.pinning import online_cpus, shared_cores
 from octopipe.tune import one_f_one_b
 from tests.execute.test_runtime import make_plan
@@ -25,7 +25,7 @@ def test_ranks_take_distinct_cores_from_a_parent_pinned_to_one() -> None:
     inherited = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(inherited)})  # as a benchmark that pins itself before it starts the ranks
     try:
-        run = run_local(make_plan(one_f_one_b, "llama-8", 2, 2), steps=1, timeout_s=60)
+        run = run_local(make_plan(one_f_one_b, "llama-8", 2, 2), RunOptions(steps=1, timeout_s=60))
     finally:
         os.sched_setaffinity(0, inherited)
     assert sorted(run.cores) == [0, 1]
@@ -36,4 +36,4 @@ def test_ranks_take_distinct_cores_from_a_parent_pinned_to_one() -> None:
 def test_strict_pinning_refuses_ranks_that_would_share_a_core() -> None:
     plan = make_plan(one_f_one_b, "llama-8", 2, 2)
     with pytest.raises(ValueError, match=r"2 ranks on 1 cores \(\[0\]\).* drop strict pinning"):
-        run_local(plan, cpus=[0], strict_pinning=True)
+        run_local(plan, RunOptions(cpus=[0], strict_pinning=True))

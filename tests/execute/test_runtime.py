@@ -11,6 +11,7 @@ import torch
 from octopipe.execute.interop import torch_schedule_plan
 from octopipe.execute.runtime import (
     RunFailed,
+    RunOptions,
     build_model,
     reference_run,
     run_local,
@@ -146,7 +147,7 @@ def library(workload: str, ranks: int, m: int) -> list[plan_pb2.Plan]:
 def test_every_schedule_equals_the_reference_bitwise(workload: str, ranks: int) -> None:
     """Loss and every gradient after one step, and every weight after three AdamW steps."""
     plans = library(workload, ranks, 2 * ranks)
-    runs = run_local_many(plans, steps=3, keep_grads=True, keep_params=True, timeout_s=120)
+    runs = run_local_many(plans, RunOptions(steps=3, keep_grads=True, keep_params=True, timeout_s=120))
     ref = reference_run(plans[0].model, num_microbatches=2 * ranks, steps=3)
     for plan, run in zip(plans, runs, strict=True):
         assert run.losses == pytest.approx(ref.losses, rel=1e-6), plan.name
@@ -165,5 +166,5 @@ def test_a_failing_rank_stops_every_rank_with_its_error() -> None:
     plan = make_plan(one_f_one_b, "llama-8", 2, 4)
     started = time.monotonic()
     with pytest.raises(RunFailed, match=r"rank 0, step 1, action 2 \(0SEND_F0\): injected failure after 3 actions"):
-        run_local(plan, steps=2, timeout_s=30, fail_at={0: (1, 3)})
+        run_local(plan, RunOptions(steps=2, timeout_s=30, fail_at={0: (1, 3)}))
     assert time.monotonic() - started < 30 + 15  # the other rank does not hang

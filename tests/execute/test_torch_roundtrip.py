@@ -24,7 +24,14 @@ import pytest
 import torch
 
 from octopipe.execute.interop import _StandIn, torch_placement
-from octopipe.execute.runtime import RunResult, build_model, reference_run, run_local_many, workload_reference
+from octopipe.execute.runtime import (
+    RunOptions,
+    RunResult,
+    build_model,
+    reference_run,
+    run_local_many,
+    workload_reference,
+)
 from octopipe.ir import ActionKind, plan_from_torch_csv, plan_to_torch_csv, rank_actions, stage_ranks
 from octopipe.plan.v1 import plan_pb2
 from octopipe.tune import (
@@ -86,7 +93,7 @@ def test_torch_orders_import_and_run_bitwise_equal_to_the_reference() -> None:
     plans = [with_model(plan_from_torch_csv(torch_csv(n), num_microbatches=M, name=n)) for n in TORCH_CLASSES]
     for name, plan in zip(TORCH_CLASSES, plans, strict=True):
         assert stage_ranks(plan) == torch_placement(name, RANKS)
-    runs = run_local_many(plans, steps=1, keep_grads=True, timeout_s=120, pin_cores=False)
+    runs = run_local_many(plans, RunOptions(steps=1, keep_grads=True, timeout_s=120, pin_cores=False))
     reference = reference_run(plans[0].model, num_microbatches=M, steps=1)
     for name, run in zip(TORCH_CLASSES, runs, strict=True):
         assert run.losses == reference.losses, name
@@ -120,7 +127,7 @@ PLANS = library()
 @pytest.fixture(scope="module")
 def ours() -> list[RunResult]:
     """octopipe's own run of every plan (one launch)."""
-    return run_local_many(PLANS, steps=1, keep_grads=True, timeout_s=120, pin_cores=False)
+    return run_local_many(PLANS, RunOptions(steps=1, keep_grads=True, timeout_s=120, pin_cores=False))
 
 
 @pytest.mark.parametrize("index", range(len(PLANS)), ids=[p.name.split("-p")[0] for p in PLANS])

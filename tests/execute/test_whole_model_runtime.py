@@ -15,7 +15,7 @@ import torch
 
 from octopipe.capture import NumericsError
 from octopipe.execute.pipeline import layer_names, profile_reference, tune_reference
-from octopipe.execute.runtime import build_model, reference_run, run_local, run_local_many
+from octopipe.execute.runtime import RunOptions, build_model, reference_run, run_local, run_local_many
 from octopipe.execute.runtime.whole_model import guard, whole_model_stages
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import local_cost_model, verify_plan
@@ -76,10 +76,7 @@ def test_hf_models_on_two_ranks_equal_their_own_training_bitwise() -> None:
     llama, moe, glue, m = reference("llama"), reference("qwen3_moe"), reference("token_glue", capture="whole"), 2
     runs = run_local_many(
         [*plans(llama, m, [one_f_one_b, zb_h1]), *plans(moe, m, [one_f_one_b]), *plans(glue, m, [zb_h1])],
-        steps=3,
-        keep_grads=True,
-        keep_params=True,
-        timeout_s=120,
+        RunOptions(steps=3, keep_grads=True, keep_params=True, timeout_s=120),
     )
     llama_ref = reference_run(llama, num_microbatches=m, steps=3)
     for run in runs[:2]:
@@ -169,10 +166,7 @@ def test_every_family_on_two_ranks_equals_its_own_training_bitwise() -> None:
     references = [reference("family", name=name, attention=attention) for name, attention in MATRIX]
     runs = run_local_many(
         [plan for model_ref in references for plan in plans(model_ref, m, [one_f_one_b])],
-        steps=steps,
-        keep_grads=True,
-        keep_params=True,
-        timeout_s=180,
+        RunOptions(steps=steps, keep_grads=True, keep_params=True, timeout_s=180),
     )
     for (name, attention), model_ref, run in zip(MATRIX, references, runs, strict=True):
         expected = reference_run(model_ref, num_microbatches=m, steps=steps)
@@ -207,7 +201,7 @@ def test_a_model_as_written_is_profiled_tuned_and_run_as_written(function: str) 
         assert len(by_name["model.layers.1"].output_tensors) == 3
     tuned = tune_reference(profile, TuneConfig(num_ranks=2, num_microbatches=m, time_budget_s=2))
     verify_plan(tuned.plan, local_cost_model(tuned.plan, profile))
-    run = run_local(tuned.plan, steps=2, keep_grads=True, keep_params=True, pin_cores=False, timeout_s=120)
+    run = run_local(tuned.plan, RunOptions(steps=2, keep_grads=True, keep_params=True, pin_cores=False, timeout_s=120))
     expected = reference_run(model_ref, num_microbatches=m, steps=2)
     assert run.losses == expected.losses
     assert_bitwise(expected.grads, run.grads)

@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from octopipe.execute.processes import free_port
 from octopipe.execute.runtime.pinning import pin_rank
-from octopipe.execute.runtime.ports import free_port
 from octopipe.profile.v1 import profile_pb2
 
-__all__ = ["DEFAULT_SIZES", "fit_link", "free_port", "local_links", "measure_link"]
+__all__ = ["DEFAULT_SIZES", "fit_link", "local_links", "measure_link"]
 
 DEFAULT_SIZES = (4, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 

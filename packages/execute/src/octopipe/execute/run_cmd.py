@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from octopipe.ir import load_plan
+from octopipe.execute.runs import RunOptions, WorkerConfig
+from octopipe.ir import load_plan, mesh_spec
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 
@@ -54,7 +55,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _join_torchrun(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
-    from octopipe.execute.runtime import WorkerConfig, worker_main  # noqa: PLC0415
+    from octopipe.execute.runtime import worker_main  # noqa: PLC0415
     from octopipe.simulate import verify_plan  # noqa: PLC0415
 
     try:
@@ -64,8 +65,13 @@ def _join_torchrun(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
         raise ValueError(
             f"--torchrun needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment ({exc})"
         ) from None
-    if world != len(plan.ranks):
-        raise ValueError(f"the launch has {world} ranks but the plan needs {len(plan.ranks)}")
+    needed = mesh_spec(plan).world_size  # pipeline ranks x data-parallel replicas
+    if world != needed:
+        raise ValueError(
+            f"the launch has {world} ranks but the plan needs {needed} "
+            f"({len(plan.ranks)} pipeline ranks x {needed // len(plan.ranks)} replicas): start torchrun with "
+            f"--nproc-per-node {needed} (or as many ranks over its nodes)"
+        )
     verify_plan(plan)  # every launch path verifies first: a plan the verifier rejects never runs
     args.out.mkdir(parents=True, exist_ok=True)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
@@ -107,13 +113,15 @@ def run(args: argparse.Namespace) -> int:
     with spinner(f"running {args.steps} steps on {len(plan.ranks)} local ranks ...", enabled=not args.json):
         result = run_local(
             plan,
-            steps=args.steps,
-            seed=args.seed,
-            timeout_s=args.timeout,
-            pin_cores=not args.no_pin,
-            cpus=args.cpus,
-            strict_pinning=args.strict_pinning,
-            numerics_check=not args.skip_numerics_check,
+            RunOptions(
+                steps=args.steps,
+                seed=args.seed,
+                timeout_s=args.timeout,
+                pin_cores=not args.no_pin,
+                cpus=args.cpus,
+                strict_pinning=args.strict_pinning,
+                numerics_check=not args.skip_numerics_check,
+            ),
         )
     times = measured_step_times_us(result)
     if args.timeline:

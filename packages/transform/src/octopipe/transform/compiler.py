@@ -18,7 +18,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-import structlog
 import torch
 from torch import nn
 
@@ -34,8 +33,6 @@ __all__ = ["BackwardKind", "CompiledStage", "StageCompiler", "compile_fsdp_stage
 
 #: which backward an OVERLAP_F_B multiplexes with the forward: the fused one or B (input gradients)
 BackwardKind = Literal["full", "input"]
-
-_log = structlog.get_logger("octopipe.transform.compiler")
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,7 +110,6 @@ class StageCompiler:
         runs = fsdp.stage if fsdp is not None else graphs
         split = split_backward(runs.backward, num_params=runs.num_params, num_inputs=runs.num_inputs)
         compiled = CompiledStage(graphs=runs, split=split, fsdp=fsdp)
-        _log.debug("stage_compiled", stage=stage_index, sharded=sharded, cached=cache_key is not None)
         if cache_key is not None:
             self._stages[cache_key] = compiled
         return compiled

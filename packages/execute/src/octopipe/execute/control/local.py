@@ -23,7 +23,7 @@ from octopipe.execute.control.common import state_name
 from octopipe.execute.control.coordinator import Coordinator, CoordinatorConfig
 from octopipe.execute.control.node import NodeConfig, NodeDaemon
 from octopipe.execute.control.security import add_node_certs, make_certs, node_identity
-from octopipe.execute.runtime.launcher import RunFailed, RunResult
+from octopipe.execute.runs import RunFailed, RunResult
 from octopipe.ir import action_from_proto, format_action
 from octopipe.node.v1 import node_pb2
 from octopipe.plan.v1 import plan_pb2

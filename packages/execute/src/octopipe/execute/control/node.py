@@ -17,7 +17,6 @@ coordinator's.
 from __future__ import annotations
 
 import collections
-import datetime
 import multiprocessing
 import os
 import shutil
@@ -29,7 +28,6 @@ from typing import Any
 
 import grpc
 import structlog
-import torch.distributed as dist
 
 from octopipe.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from octopipe.execute.control.common import (
@@ -41,6 +39,7 @@ from octopipe.execute.control.common import (
     state_name,
     step_metrics,
 )
+from octopipe.execute.control.ranks import KeeperError, StoreKeeper, start_rank
 from octopipe.execute.control.security import (
     COORDINATOR,
     NODE,
@@ -49,9 +48,8 @@ from octopipe.execute.control.security import (
     require_identity,
     secure_channel,
 )
-from octopipe.execute.linkprobe import free_port
-from octopipe.execute.runtime.models import WORKLOAD_SOURCE
-from octopipe.execute.runtime.worker import ABORT_KEY, WorkerConfig, publish_plan, same_layout, worker_main
+from octopipe.execute.processes import free_port
+from octopipe.execute.runs import WORKLOAD_SOURCE, WorkerConfig, same_layout
 from octopipe.ir import PlanError, mesh_spec
 from octopipe.node.v1 import node_pb2, node_pb2_grpc
 from octopipe.simulate import verify_plan
@@ -66,6 +64,8 @@ _ALLOWED = {
     for method in ("PushPlan", "StopRun", "GetNodeStatus", "WatchNodeStatus", "StreamNodeMetrics")
 }
 _MAX_METRICS = 20_000
+#: how long the daemon waits for its store keeper to open the store or carry out a command
+_KEEPER_WAIT_S = 15.0
 
 
 @dataclass(kw_only=True)
@@ -99,7 +99,9 @@ class _Run:
     folder: Path
     processes: list[Any] = field(default_factory=list)
     events: Any = None
-    store: dist.TCPStore | None = None
+    #: the child holding (on the node of global rank 0) or joining the run's rendezvous store
+    keeper: StoreKeeper | None = None
+    hosts_store: bool = False
     state: int = node_pb2.RUN_STATE_STARTING
     error: str = ""
     steps_done: dict[int, int] = field(default_factory=dict)
@@ -121,6 +123,7 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
         self._lock = threading.RLock()
         self._changed = Waiter()
         self._run: _Run | None = None
+        self._keeper: StoreKeeper | None = None  # the latest run's (kept until the next run or stop)
         self._stopping = threading.Event()
         self._server: Server | None = None
         self._threads: list[threading.Thread] = []
@@ -158,6 +161,10 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
     def stop(self) -> None:
         self._stopping.set()
         self._stop_run("the node daemon is shutting down", node_pb2.RUN_STATE_CANCELLED)
+        with self._lock:
+            keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.close()
         for thread in self._threads:
             thread.join(timeout=5)
         if self._server is not None:
@@ -290,12 +297,15 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
             problem = same_layout(run.request.plan, request.plan)
             if problem:
                 return answer(f"a running plan can change only its schedule, but {problem}")
-            if run.store is not None:
+            if run.hosts_store and run.keeper is not None:
+                try:
+                    run.keeper.publish(run.switches + 1, request.plan.SerializeToString(), _KEEPER_WAIT_S)
+                except KeeperError as exc:
+                    return answer(f"the plan could not be published: {exc}")
                 run.switches += 1
-                publish_plan(run.store, run.switches, request.plan)
             run.version, run.nonce = request.version, request.nonce
             run.request.plan.CopyFrom(request.plan)
-        self._log.info("plan_switch", run=run.run_id, version=request.version, published=run.store is not None)
+        self._log.info("plan_switch", run=run.run_id, version=request.version, published=run.hosts_store)
         self._changed.notify()
         return answer()
 
@@ -338,13 +348,15 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
         port = assignment.rendezvous_port
         if 0 in assignment.ranks:
             port = port or free_port()
-            run.store = dist.TCPStore(
-                host,
-                port,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=self.config.rank_timeout_s),
-            )
+        with self._lock:  # the previous run's store goes; this run's keeper holds or joins its own
+            previous, self._keeper = self._keeper, None
+        if previous is not None:
+            previous.close()
+        run.hosts_store = 0 in assignment.ranks
+        run.keeper = StoreKeeper(
+            self._context, host, port, is_master=run.hosts_store, timeout_s=self.config.rank_timeout_s
+        )
+        self._keeper = run.keeper
         if run.folder.exists():
             shutil.rmtree(run.folder)
         run.folder.mkdir(parents=True)
@@ -370,11 +382,7 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
         run.events = self._context.Queue()
         for rank in assignment.ranks:
             config = WorkerConfig(**{**base.__dict__, "rank": rank})
-            process = self._context.Process(
-                target=worker_main, args=(config, run.events), name=f"octopipe-rank{rank}", daemon=False
-            )
-            process.start()
-            run.processes.append(process)
+            run.processes.append(start_rank(self._context, config, run.events))
             run.steps_done[rank] = request.start_step
         self._log.info("ranks_started", run=run.run_id, ranks=list(assignment.ranks), rendezvous=f"{host}:{port}")
         return port
@@ -419,17 +427,11 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
 
     def _abort_everywhere(self, run: _Run, reason: str) -> None:
         """Raise the run's abort flag in its rendezvous store, so ranks on every node leave their waits."""
-        assignment = run.request.assignment
+        if run.keeper is None:
+            return
         try:
-            store = run.store or dist.TCPStore(
-                assignment.rendezvous_host or "127.0.0.1",
-                assignment.rendezvous_port,
-                is_master=False,
-                timeout=datetime.timedelta(seconds=2),
-            )
-            if not store.check([ABORT_KEY]):
-                store.set(ABORT_KEY, reason)
-        except Exception as exc:  # the store's node may be gone: ranks then fail their own waits
+            run.keeper.abort(reason, _KEEPER_WAIT_S)
+        except KeeperError as exc:  # the store's node may be gone: ranks then fail their own waits
             self._log.warning("abort_flag_unreachable", run=run.run_id, error=str(exc))
 
     def _kill(self, run: _Run) -> None:

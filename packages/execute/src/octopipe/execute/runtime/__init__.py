@@ -1,8 +1,9 @@
 """The runtime: interpret a Plan's per-rank actions on torch.distributed."""
 
+from octopipe.execute.runs import RunFailed, RunOptions, RunResult
 from octopipe.execute.runtime.comm import Aborted, Channels, CommTimeout
 from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime, StepFailure
-from octopipe.execute.runtime.launcher import RunFailed, RunResult, run_local, run_local_many
+from octopipe.execute.runtime.launcher import run_local, run_local_many
 from octopipe.execute.runtime.measure import (
     measured_step_times_us,
     median_step_time_us,
@@ -12,7 +13,7 @@ from octopipe.execute.runtime.measure import (
 )
 from octopipe.execute.runtime.models import BuiltModel, build_model, workload_reference
 from octopipe.execute.runtime.reference import ReferenceResult, reference_run
-from octopipe.execute.runtime.worker import WorkerConfig, worker_main
+from octopipe.execute.runtime.worker import worker_main
 
 __all__ = [
     "Aborted",
@@ -23,9 +24,9 @@ __all__ = [
     "RankRuntime",
     "ReferenceResult",
     "RunFailed",
+    "RunOptions",
     "RunResult",
     "StepFailure",
-    "WorkerConfig",
     "build_model",
     "measured_step_times_us",
     "median_step_time_us",

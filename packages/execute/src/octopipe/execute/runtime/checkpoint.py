@@ -12,7 +12,6 @@ Loading never unpickles arbitrary objects: tensors only.
 
 from __future__ import annotations
 
-import re
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,28 +20,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from octopipe.execute.checkpoint_files import checkpoint_path, latest_checkpoint
+
 __all__ = ["checkpoint_path", "latest_checkpoint", "load_checkpoint", "read_checkpoint", "save_checkpoint"]
 
-_STEP_FOLDER = re.compile(r"^step-(\d+)$")
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
-
-
-def checkpoint_path(folder: str | Path, step: int) -> Path:
-    """The folder of the checkpoint taken after ``step`` completed steps."""
-    return Path(folder) / f"step-{step}"
-
-
-def latest_checkpoint(folder: str | Path) -> int:
-    """The highest step with a complete checkpoint under ``folder``; 0 when there is none."""
-    root = Path(folder)
-    if not root.is_dir():
-        return 0
-    steps = [
-        int(match.group(1))
-        for entry in root.iterdir()
-        if (match := _STEP_FOLDER.match(entry.name)) and (entry / ".metadata").is_file()
-    ]
-    return max(steps, default=0)
 
 
 def _state(

@@ -22,7 +22,7 @@ import multiprocessing
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,88 +30,33 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from octopipe.execute.processes import free_port
+from octopipe.execute.runs import ABORT_KEY, RunFailed, RunOptions, RunResult, WorkerConfig
 from octopipe.execute.runtime.pinning import shared_cores
-from octopipe.execute.runtime.ports import free_port
-from octopipe.execute.runtime.worker import ABORT_KEY, WorkerConfig, worker_main
+from octopipe.execute.runtime.worker import worker_main
 from octopipe.ir import MeshSpec, mesh_spec
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import verify_plan
 
-__all__ = ["RunFailed", "RunResult", "run_local", "run_local_many"]
+__all__ = ["run_local", "run_local_many"]
 
 
-class RunFailed(RuntimeError):
-    """A rank failed; the message is the first failure's, naming rank, step and action."""
+def run_local(plan: plan_pb2.Plan, options: RunOptions | None = None) -> RunResult:
+    """Run ``plan`` on local CPU ranks (gloo, 127.0.0.1) as ``options`` say; see ``run_local_many``."""
+    return run_local_many([plan], options)[0]
 
 
-@dataclass
-class RunResult:
-    """What the ranks reported: per-step losses (from the last stage), first-step grads, final params, timelines."""
-
-    losses: list[float]
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    params: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: rank -> per step {"start_ns", "end_ns", "records": [ActionRecord fields]}
-    timelines: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
-    #: rank -> channel ("send <peer>" or "recv <peer>") -> its transfers in the order they started, every step
-    channels: dict[int, dict[str, list[int]]] = field(default_factory=dict)
-    #: rank -> the cores it ran on (one each when pinned)
-    cores: dict[int, list[int]] = field(default_factory=dict)
-    #: rank -> the numerics guard's figures (reference and pipelined loss, seconds) for a whole-model capture
-    numerics: dict[int, dict[str, float]] = field(default_factory=dict)
-    #: rank -> each copy it holds of a tied parameter: first-step gradient and (``keep_params``) final value
-    tied_grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    tied_params: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    #: rank -> the allocator-measured memory of one extra step (``measure_memory=True``; runtime.memory)
-    memory: dict[int, dict[str, int]] = field(default_factory=dict)
-    wall_s: float = 0.0
-
-
-def run_local(plan: plan_pb2.Plan, **options: Any) -> RunResult:
-    """Run ``plan`` for ``steps`` optimizer steps on local CPU ranks (gloo, 127.0.0.1); see ``run_local_many``."""
-    return run_local_many([plan], **options)[0]
-
-
-def run_local_many(
-    plans: list[plan_pb2.Plan],
-    *,
-    steps: int = 1,
-    seed: int = 0,
-    timeout_s: float = 60.0,
-    learning_rate: float = 1e-3,
-    pin_cores: bool = True,
-    cpus: Sequence[int] = (),
-    strict_pinning: bool = False,
-    keep_grads: bool = False,
-    keep_params: bool = False,
-    fail_at: dict[int, tuple[int, int]] | None = None,
-    checkpoint_dir: str = "",
-    checkpoint_every: int = 0,
-    start_step: int = 0,
-    resume: bool = False,
-    numerics_check: bool = True,
-    measure_memory: bool = False,
-) -> list[RunResult]:
-    """Run each plan for ``steps`` optimizer steps, one after the other, in one launch of local CPU ranks.
+def run_local_many(plans: Sequence[plan_pb2.Plan], options: RunOptions | None = None) -> list[RunResult]:
+    """Run each plan for ``options.steps`` optimizer steps, one after the other, in one launch of local CPU ranks.
 
     The plans must have the same number of ranks (and normally the same model);
     each starts from the same freshly built weights. One launch saves the
-    process start-up and reuses captured stages between plans.
-    ``checkpoint_dir``/``checkpoint_every`` save checkpoints (``runtime.checkpoint``);
-    ``start_step`` with ``resume`` continues from ``checkpoint_dir/step-<start_step>``.
-    With ``pin_cores`` rank r runs on ``cpus[r % len(cpus)]`` (default: the
-    machine's online CPUs, whatever mask this process has); ranks that must
-    share cores are a warning, or a ValueError with ``strict_pinning``.
-    ``numerics_check`` (whole-model capture): before the first step every rank
-    checks that its stages reproduce the model's own forward on one
-    micro-batch and refuses to train, naming the stage, if not.
-    ``measure_memory`` runs one more pipeline step (no update) after the timed
-    ones under the allocator meter (``RunResult.memory``; see runtime.memory).
+    process start-up and reuses compiled stages between plans. ``RunOptions``
+    documents every option (pinning, checkpoints, the numerics guard, memory).
     """
+    options = options or RunOptions()
     if not plans:
         raise ValueError("give at least one plan")
-    if any(c < 0 for c in cpus):
-        raise ValueError(f"cpus must be core numbers >= 0, got {list(cpus)}")
     meshes: list[MeshSpec] = []
     for plan in plans:
         verify_plan(plan)  # raises a VerificationError (a PlanError) naming rank, step and action
@@ -123,14 +68,14 @@ def run_local_many(
             f"{[mesh.world_size for mesh in meshes]}"
         )
     log = structlog.get_logger("octopipe.launcher")
-    sharing = shared_cores(world, cpus) if pin_cores else ""
-    if sharing and strict_pinning:
+    sharing = shared_cores(world, options.cpus) if options.pin_cores else ""
+    if sharing and options.strict_pinning:
         raise ValueError(f"{sharing}: run fewer ranks, give more cores, or drop strict pinning")
     if sharing:
         log.warning("ranks_share_cores", problem=sharing)
     port = free_port()
     store = dist.TCPStore(
-        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=options.timeout_s)
     )
     context = multiprocessing.get_context("spawn")
     started = time.monotonic()
@@ -142,33 +87,33 @@ def run_local_many(
             store_host="127.0.0.1",
             store_port=port,
             result_dir=folder,
-            steps=steps,
-            seed=seed,
-            timeout_s=timeout_s,
-            learning_rate=learning_rate,
-            pin_cores=pin_cores,
-            cpus=tuple(cpus),
-            keep_grads=keep_grads,
-            keep_params=keep_params,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every,
-            start_step=start_step,
-            resume=resume,
-            numerics_check=numerics_check,
-            measure_memory=measure_memory,
+            steps=options.steps,
+            seed=options.seed,
+            timeout_s=options.timeout_s,
+            learning_rate=options.learning_rate,
+            pin_cores=options.pin_cores,
+            cpus=tuple(options.cpus),
+            keep_grads=options.keep_grads,
+            keep_params=options.keep_params,
+            checkpoint_dir=options.checkpoint_dir,
+            checkpoint_every=options.checkpoint_every,
+            start_step=options.start_step,
+            resume=options.resume,
+            numerics_check=options.numerics_check,
+            measure_memory=options.measure_memory,
         )
         processes = [
             context.Process(
                 target=worker_main,
-                args=(replace(base, rank=r, fail_at=(fail_at or {}).get(r)),),
+                args=(replace(base, rank=r, fail_at=options.fail_at.get(r)),),
                 name=f"octopipe-rank{r}",
             )
             for r in range(world)
         ]
         for process in processes:
             process.start()
-        log.info("ranks_started", ranks=world, plans=[plan.name for plan in plans], steps=steps)
-        _watch(processes, store, started + timeout_s * (steps + 2) * len(plans))
+        log.info("ranks_started", ranks=world, plans=[plan.name for plan in plans], steps=options.steps)
+        _watch(processes, store, started + options.timeout_s * (options.steps + 2) * len(plans))
         wall = time.monotonic() - started
         errors = sorted(Path(folder).glob("rank*.error"), key=lambda p: p.stat().st_mtime)
         if errors or any(p.exitcode != 0 for p in processes):

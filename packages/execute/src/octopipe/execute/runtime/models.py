@@ -30,11 +30,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from octopipe.execute.runs import WORKLOAD_SOURCE
 from octopipe.plan.v1 import plan_pb2
 
 __all__ = ["BuiltModel", "build_model", "model_inputs", "workload_reference"]
-
-WORKLOAD_SOURCE = "octopipe.examples:workload"
 
 
 @dataclass(frozen=True, eq=False)

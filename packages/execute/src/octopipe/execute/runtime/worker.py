@@ -15,14 +15,11 @@ every other rank watches while it waits, so all ranks stop together.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
-import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from octopipe.capture import StageModule
+from octopipe.execute.processes import die_with_parent
+from octopipe.execute.runs import ABORT_KEY, PLAN_KEY, WorkerConfig, same_layout
 from octopipe.execute.runtime.checkpoint import load_checkpoint, save_checkpoint
 from octopipe.execute.runtime.comm import Channels
 from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime
@@ -44,55 +43,13 @@ from octopipe.ir import compile_plan, stage_ranks
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform import StageCompiler, StageExecutable
 
-__all__ = ["ABORT_KEY", "PLAN_KEY", "StepEvents", "WorkerConfig", "publish_plan", "same_layout", "worker_main"]
-
-ABORT_KEY = "octopipe/abort"
-#: ``<PLAN_KEY>/<n>``: the n-th plan an adaptive run switches to (see ``publish_plan``)
-PLAN_KEY = "octopipe/plan"
+__all__ = ["StepEvents", "publish_plan", "worker_main"]
 
 
 class StepEvents(Protocol):
     """Where a rank reports each completed step (a multiprocessing queue)."""
 
     def put(self, item: dict[str, Any], /) -> None: ...
-
-
-@dataclass(kw_only=True, frozen=True)
-class WorkerConfig:
-    plans: tuple[bytes, ...]
-    rank: int
-    world_size: int
-    store_host: str
-    store_port: int
-    #: host the rendezvous store here (rank 0 of a launch without a launcher-held store)
-    store_is_master: bool = False
-    result_dir: str
-    steps: int = 1
-    seed: int = 0
-    timeout_s: float = 60.0
-    learning_rate: float = 1e-3
-    pin_cores: bool = True
-    #: the cores rank r chooses from (``cpus[r % len(cpus)]``); empty: the machine's online CPUs
-    cpus: tuple[int, ...] = ()
-    keep_grads: bool = False
-    keep_params: bool = False
-    fail_at: tuple[int, int] | None = None  # (step, action index): raise there, for fault tests
-    #: the first step's index (a resumed run starts after its checkpoint); ``steps`` steps run from here
-    start_step: int = 0
-    #: checkpoints (see runtime.checkpoint) go here every ``checkpoint_every`` completed steps
-    checkpoint_dir: str = ""
-    checkpoint_every: int = 0
-    #: load ``checkpoint_dir/step-<start_step>`` before the first step
-    resume: bool = False
-    #: Linux: the kernel kills this rank when the process that started it dies (a node daemon's ranks)
-    die_with_parent: bool = False
-    #: at every step boundary, take a newer plan from the store if one was published (``publish_plan``)
-    adaptive: bool = False
-    #: whole-model capture: check before the first step that the pipelined forward reproduces the model's loss
-    numerics_check: bool = True
-    #: after the timed steps, one more pipeline step (no optimizer update) under the allocator meter
-    #: (runtime.memory); its result is each plan's ``memory``
-    measure_memory: bool = False
 
 
 class _Recorder:
@@ -108,17 +65,6 @@ class _Recorder:
             raise RuntimeError(f"injected failure after {self.fail_after} actions")
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG); elsewhere a no-op."""
-    if sys.platform != "linux":
-        return
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() == 1:  # the parent died before the call
-        raise SystemExit(1)
-
-
 def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
     """Entry point of a rank process (spawned by the launcher, a node daemon or torchrun).
 
@@ -130,7 +76,7 @@ def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
     out = Path(config.result_dir)
     (out / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
     if config.die_with_parent:
-        _die_with_parent()
+        die_with_parent()
     cores: list[int] = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if config.pin_cores:  # from the machine's online CPUs (or config.cpus), never from the inherited mask
         cores, warning = pin_rank(rank, config.cpus)
@@ -173,17 +119,6 @@ def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
 def publish_plan(store: dist.Store, switch: int, plan: plan_pb2.Plan) -> None:
     """Offer ``plan`` as the run's ``switch``-th plan switch (1, 2, ...) to adaptive ranks."""
     store.set(f"{PLAN_KEY}/{switch}", plan.SerializeToString())  # type: ignore[arg-type]  # bytes are taken as-is
-
-
-def same_layout(old: plan_pb2.Plan, new: plan_pb2.Plan) -> str:
-    """Why ``new`` cannot replace ``old`` in a running job ('' when only the schedule differs)."""
-    if [(tuple(s.layer_names), s.rank) for s in old.stages] != [(tuple(s.layer_names), s.rank) for s in new.stages]:
-        return "its stages or their placement differ"
-    if old.num_microbatches != new.num_microbatches or len(old.ranks) != len(new.ranks):
-        return "its micro-batch or rank count differs"
-    if old.mesh.SerializeToString(deterministic=True) != new.mesh.SerializeToString(deterministic=True):
-        return "its mesh differs"
-    return ""
 
 
 def _next_plan(store: dist.Store, rank: int, switches: int, plan: plan_pb2.Plan) -> plan_pb2.Plan | None:
