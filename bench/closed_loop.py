@@ -30,8 +30,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from quiet import Environment, add_arguments, start, step_summary, write_record
 
 from octopipe.execute.control.coordinator import MIN_ADAPT_GAIN
-from octopipe.execute.linkprobe import measure_link
-from octopipe.execute.pipeline import profile_reference, tune_reference
 from octopipe.execute.runtime import (
     RunOptions,
     measured_step_times_us,
@@ -40,6 +38,8 @@ from octopipe.execute.runtime import (
     timelines_to_proto,
     workload_reference,
 )
+from octopipe.execute.runtime.linkprobe import measure_link
+from octopipe.execute.runtime.pipeline import profile_reference, tune_reference
 from octopipe.tune import TuneConfig, retune
 
 M, P = 8, 2

@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from quiet import Environment, add_arguments, start, step_summary, write_record
 from vs_torch import SCHEDULES, run_torch
 
-from octopipe.execute.linkprobe import measure_link
-from octopipe.execute.pipeline import calibrate_in_situ, layer_names, profile_reference, tune_reference
 from octopipe.execute.runtime import RunOptions, measured_step_times_us, run_local, run_local_many, workload_reference
+from octopipe.execute.runtime.linkprobe import measure_link
+from octopipe.execute.runtime.pipeline import calibrate_in_situ, layer_names, profile_reference, tune_reference
 from octopipe.tune import TuneConfig, equal_partition, one_f_one_b, zb_h1
 
 M, P = 8, 2

@@ -50,7 +50,6 @@ from typing import Any
 import torch
 
 from octopipe.capture import split_model
-from octopipe.execute.pipeline import layer_names, profile_reference
 from octopipe.execute.runtime import (
     RunOptions,
     RunResult,
@@ -60,6 +59,7 @@ from octopipe.execute.runtime import (
     timelines_to_proto,
     workload_reference,
 )
+from octopipe.execute.runtime.pipeline import layer_names, profile_reference
 from octopipe.ir import ActionKind, CollectivePlacement, parse_action, with_collectives
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
@@ -163,14 +163,14 @@ def after_last_arrival(plan: plan_pb2.Plan, result: RunResult) -> dict[tuple[int
         group = [p * dp + d for d in range(dp)]
         steps = min(len(result.timelines[g]) for g in group)
         for step in range(1, steps):
-            records = [result.timelines[g][step]["records"] for g in group]
+            records = [result.timelines[g][step].records for g in group]
             for index, record in enumerate(records[0]):
-                action = parse_action(record["action"])
+                action = parse_action(record.action)
                 if action.kind not in (ActionKind.UNSHARD, ActionKind.REDUCE_GRAD):
                     continue
-                last = max(int(r[index]["start_ns"]) for r in records)
+                last = max(r[index].start_ns for r in records)
                 key = (action.stage, action.kind.name)
-                out.setdefault(key, []).extend((int(r[index]["end_ns"]) - last) / 1e3 for r in records)
+                out.setdefault(key, []).extend((r[index].end_ns - last) / 1e3 for r in records)
     return out
 
 

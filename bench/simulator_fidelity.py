@@ -50,9 +50,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from quiet import Environment, add_arguments, start, write_record
 
-from octopipe.execute.linkprobe import measure_link
-from octopipe.execute.pipeline import calibrate_in_situ, compare, layer_names, profile_reference, tune_reference
 from octopipe.execute.runtime import RunOptions, run_local_many, workload_reference
+from octopipe.execute.runtime.linkprobe import measure_link
+from octopipe.execute.runtime.pipeline import calibrate_in_situ, compare, layer_names, profile_reference, tune_reference
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.tune import TuneConfig, dualpipe_v, equal_partition, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_v

@@ -1,7 +1,7 @@
 """octopipe vs torch.distributed.pipelining: the same model, micro-batches and schedule order, step time.
 
 For each torch schedule class, torch computes its own order; octopipe runs that
-order imported as a Plan (``octopipe.execute.interop.torch_schedule_plan``) with
+order imported as a Plan (``octopipe.execute.runtime.interop.torch_schedule_plan``) with
 captured, split stages, while torch runs it with its PipelineStage runtime on
 the same stage modules. Both: 2 gloo ranks on 127.0.0.1, one pinned core and
 one thread each, a barrier before every step, the optimizer outside the timed
@@ -30,9 +30,9 @@ from quiet import percentile
 from torch.distributed.pipelining import PipelineStage, schedules
 
 from octopipe.capture import StageModule, pipeline_spec
-from octopipe.execute.interop import torch_placement, torch_schedule_plan
 from octopipe.execute.processes import free_port
 from octopipe.execute.runtime import RunOptions, measured_step_times_us, run_local, workload_reference
+from octopipe.execute.runtime.interop import torch_placement, torch_schedule_plan
 from octopipe.execute.runtime.models import build_model
 from octopipe.execute.runtime.pinning import pin_rank
 from octopipe.plan.v1 import plan_pb2

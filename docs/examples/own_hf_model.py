@@ -19,8 +19,8 @@ import transformers
 from torch import nn
 
 from octopipe.execute import configure_logging
-from octopipe.execute.pipeline import profile_reference, tune_reference
 from octopipe.execute.runtime import RunOptions, run_local
+from octopipe.execute.runtime.pipeline import profile_reference, tune_reference
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import local_cost_model, verify_plan
 from octopipe.tune import TuneConfig

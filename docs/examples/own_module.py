@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from octopipe.execute import configure_logging
-from octopipe.execute.pipeline import profile_reference, tune_reference
 from octopipe.execute.runtime import RunOptions, reference_run, run_local
+from octopipe.execute.runtime.pipeline import profile_reference, tune_reference
 from octopipe.ir import format_grid
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import local_cost_model, verify_plan

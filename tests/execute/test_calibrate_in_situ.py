@@ -6,12 +6,10 @@ its profiled time, messages 400 us): a RunResult holding it must calibrate back 
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from octopipe.execute.pipeline import calibrate_in_situ
-from octopipe.execute.runtime import RunResult
+from octopipe.execute.runtime import ActionRecord, RunResult, StepTimeline
+from octopipe.execute.runtime.pipeline import calibrate_in_situ
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import local_cost_model, simulate
@@ -44,26 +42,25 @@ def as_run(plan: plan_pb2.Plan, truth: profile_pb2.Profile, steps: int = 2) -> R
     simulation = simulate(plan, local_cost_model(plan, truth))
     run = RunResult(losses=[0.0] * steps)
     for rank in range(len(plan.ranks)):
-        records: list[dict[str, Any]] = [
-            {
-                "action": t.action,
-                "stream": t.stream,
-                "start_ns": int(t.start_us * 1e3),
-                "end_ns": int(t.end_us * 1e3),
-                "held_bytes": 0,
-            }
-            for t in simulation.timeline(rank)
-        ]
         step_ns = int(simulation.estimate.step_time_us * 1e3)
+        end_ns = int(max(t.end_us for t in simulation.timeline(rank)) * 1e3)
         run.timelines[rank] = [
-            {
-                "start_ns": s * 10 * step_ns,
-                "end_ns": (int(max(t.end_us for t in simulation.timeline(rank)) * 1e3)) + s * 10 * step_ns,
-                "records": [
-                    {**r, "start_ns": r["start_ns"] + s * 10 * step_ns, "end_ns": r["end_ns"] + s * 10 * step_ns}
-                    for r in records
-                ],
-            }
+            StepTimeline(
+                rank=rank,
+                step=s,
+                start_ns=s * 10 * step_ns,
+                end_ns=end_ns + s * 10 * step_ns,
+                records=tuple(
+                    ActionRecord(
+                        action=t.action,
+                        stream=t.stream,
+                        start_ns=int(t.start_us * 1e3) + s * 10 * step_ns,
+                        end_ns=int(t.end_us * 1e3) + s * 10 * step_ns,
+                        held_bytes=0,
+                    )
+                    for t in simulation.timeline(rank)
+                ),
+            )
             for s in range(steps)
         ]
     return run

@@ -262,8 +262,8 @@ def test_trace_puts_measured_timelines_beside_the_simulation(
 def test_exit_codes_for_a_failed_run_and_a_bug(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from octopipe.execute import simulate_cmd
     from octopipe.execute.cli import EXIT_INTERNAL, EXIT_RUN_FAILED
+    from octopipe.execute.cli import simulate as simulate_cmd
     from octopipe.execute.runtime import RunFailed
 
     def failing(args: object) -> int:

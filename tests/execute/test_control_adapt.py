@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from octopipe.execute.control import LocalCluster
-from octopipe.execute.pipeline import profile_reference
 from octopipe.execute.runtime import RunOptions, run_local
+from octopipe.execute.runtime.pipeline import profile_reference
 from octopipe.ir import Action, ActionKind, StageSpec, add_p2p_actions, build_plan
 from octopipe.node.v1 import node_pb2
 from octopipe.plan.v1 import plan_pb2

@@ -37,4 +37,4 @@ def test_two_daemons_run_a_plan_like_the_local_launcher(tmp_path: Path) -> None:
     assert rebuilt.losses == expected
     assert sorted(rebuilt.timelines) == [0, 1] and all(len(steps) == 3 for steps in rebuilt.timelines.values())
     first = rebuilt.timelines[0][0]
-    assert first["start_ns"] <= first["records"][0]["start_ns"] <= first["records"][-1]["end_ns"]
+    assert first.start_ns <= first.records[0].start_ns <= first.records[-1].end_ns

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from octopipe.execute.interop import torch_placement, torch_schedule_plan, torch_schedules
+from octopipe.execute.runtime.interop import torch_placement, torch_schedule_plan, torch_schedules
 from octopipe.ir import Action, PlanError, plan_from_torch_csv, plan_to_torch_csv, rank_actions, stage_ranks
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import simulate, uniform_profile, verify_plan

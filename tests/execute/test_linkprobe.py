@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from octopipe.execute.linkprobe import fit_link, measure_link
+from octopipe.execute.runtime.linkprobe import fit_link, measure_link
 
 
 def test_fit_recovers_a_known_line() -> None:

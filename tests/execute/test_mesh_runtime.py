@@ -100,7 +100,7 @@ def assert_matches_reference(plans: Sequence[plan_pb2.Plan], runs: Sequence[RunR
         assert sorted(run.timelines) == [0, 1, 2, 3]  # one process per (pipeline rank, replica)
         for rank, steps in run.timelines.items():
             pipeline_rank = rank // DP  # global rank p * dp + d (no rank map)
-            done = [r["action"] for r in steps[0]["records"]]
+            done = [r.action for r in steps[0].records]
             assert done == [str(a) for a in rank_actions(plan)[pipeline_rank]]
             assert any("UNSHARD" in a for a in done) and any("REDUCE_GRAD" in a for a in done)
 
@@ -162,7 +162,7 @@ def test_a_rank_map_and_the_tuners_collective_placement() -> None:
     assert run.losses == pytest.approx(ref.losses, rel=1e-6)
     for name, value in ref.grads.items():
         torch.testing.assert_close(run.grads[name], value)
-    done = {rank: [r["action"] for r in steps[0]["records"]] for rank, steps in run.timelines.items()}
+    done = {rank: [r.action for r in steps[0].records] for rank, steps in run.timelines.items()}
     assert done[3] == done[1] == [str(a) for a in placed[0]]
     assert done[0] == done[2] == [str(a) for a in placed[1]]
     assert done[3][:2] == ["0UNSHARD", "2UNSHARD"]

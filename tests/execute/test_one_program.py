@@ -19,8 +19,8 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from octopipe.execute.pipeline import tune_reference
 from octopipe.execute.runtime import Channels, CommTimeout, RunOptions, run_local_many
+from octopipe.execute.runtime.pipeline import tune_reference
 from octopipe.ir import DeadlockError, PlanError, compile_plan, rank_actions
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import CostModel, Link, StageCost, local_cost_model, simulate, uniform_profile, verify_plan
@@ -65,16 +65,16 @@ def test_a_receive_posted_later_moves_in_the_simulation_and_in_the_run() -> None
     runs = run_local_many([early, late], RunOptions(steps=2, keep_grads=True, timeout_s=120, pin_cores=False))
     for plan, program, run in zip((early, late), programs, runs, strict=True):
         for rank, steps in run.timelines.items():
-            records = steps[-1]["records"]
-            assert [r["action"] for r in records] == [str(a) for a in rank_actions(plan)[rank]]
+            records = steps[-1].records
+            assert [r.action for r in records] == [str(a) for a in rank_actions(plan)[rank]]
             # every channel started its transfers in the program's order, every step (strict order)
             for channel, order in channel_order(program, rank).items():
                 assert run.channels[rank][channel] == order * 2, (plan.name, rank, channel)
     for run, plan in zip(runs, (early, late), strict=True):  # executed: the post follows the program too
-        records = run.timelines[1][-1]["records"]
+        records = run.timelines[1][-1].records
         index = [str(a) for a in rank_actions(plan)[1]].index("1RECV_F1")
-        b0 = next(r for r in records if r["action"] == "1B0")
-        assert (records[index]["start_ns"] < b0["start_ns"]) == (plan is early)
+        b0 = next(r for r in records if r.action == "1B0")
+        assert (records[index].start_ns < b0.start_ns) == (plan is early)
     assert runs[0].losses == runs[1].losses
     assert_bitwise(runs[0].grads, runs[1].grads)
 

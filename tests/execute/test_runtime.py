@@ -8,7 +8,6 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from octopipe.execute.interop import torch_schedule_plan
 from octopipe.execute.runtime import (
     RunFailed,
     RunOptions,
@@ -18,6 +17,7 @@ from octopipe.execute.runtime import (
     run_local_many,
     workload_reference,
 )
+from octopipe.execute.runtime.interop import torch_schedule_plan
 from octopipe.ir import Action, ActionKind, Program, StageSpec, add_p2p_actions, build_plan, compile_plan, rank_actions
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import uniform_profile
@@ -156,7 +156,7 @@ def test_every_schedule_equals_the_reference_bitwise(workload: str, ranks: int) 
         program = compile_plan(plan)
         for rank, steps in run.timelines.items():
             assert len(steps) == 3
-            assert [r["action"] for r in steps[0]["records"]] == [str(a) for a in rank_actions(plan)[rank]]
+            assert [r.action for r in steps[0].records] == [str(a) for a in rank_actions(plan)[rank]]
             # strict order (as NCCL): every channel started its transfers in the program's order, every step
             for channel, order in channel_order(program, rank).items():
                 assert run.channels[rank][channel] == order * 3, (plan.name, rank, channel)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from octopipe.execute.pipeline import profile_reference
 from octopipe.execute.runtime import build_model, workload_reference
 from octopipe.execute.runtime.mesh import MeshRank
+from octopipe.execute.runtime.pipeline import profile_reference
 from octopipe.execute.runtime.stages import rank_stages
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform import CompiledStage, StageCompiler, compile_stage

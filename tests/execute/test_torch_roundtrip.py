@@ -23,7 +23,6 @@ import io
 import pytest
 import torch
 
-from octopipe.execute.interop import _StandIn, torch_placement
 from octopipe.execute.runtime import (
     RunOptions,
     RunResult,
@@ -32,6 +31,7 @@ from octopipe.execute.runtime import (
     run_local_many,
     workload_reference,
 )
+from octopipe.execute.runtime.interop import _StandIn, torch_placement
 from octopipe.ir import ActionKind, plan_from_torch_csv, plan_to_torch_csv, rank_actions, stage_ranks
 from octopipe.plan.v1 import plan_pb2
 from octopipe.tune import (

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from octopipe.capture import NumericsError
-from octopipe.execute.pipeline import layer_names, profile_reference, tune_reference
 from octopipe.execute.runtime import RunOptions, build_model, reference_run, run_local, run_local_many
+from octopipe.execute.runtime.pipeline import layer_names, profile_reference, tune_reference
 from octopipe.execute.runtime.whole_model import guard, whole_model_stages
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import local_cost_model, verify_plan

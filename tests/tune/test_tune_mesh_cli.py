@@ -9,7 +9,7 @@ import pytest
 from google.protobuf import json_format
 
 from octopipe.execute.cli import EXIT_OK, EXIT_USAGE, main
-from octopipe.execute.tune_cmd import parse_bytes
+from octopipe.execute.cli.tune import parse_bytes
 from octopipe.simulate import load_plan, verify_plan
 from tests.tune.test_mesh_tune import mesh_profile
 

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from octopipe.ir import action_from_proto, action_to_proto, format_action, parse_action
 from octopipe.plan.v1 import plan_pb2
+from octopipe.profile.v1 import profile_pb2
 
 if TYPE_CHECKING:
     import torch
@@ -21,9 +23,11 @@ __all__ = [
     "ABORT_KEY",
     "PLAN_KEY",
     "WORKLOAD_SOURCE",
+    "ActionRecord",
     "RunFailed",
     "RunOptions",
     "RunResult",
+    "StepTimeline",
     "WorkerConfig",
     "same_layout",
 ]
@@ -130,6 +134,109 @@ class WorkerConfig:
     measure_memory: bool = False
 
 
+@dataclass(frozen=True)
+class ActionRecord:
+    """One action as it ran: times on the machine's monotonic clock (comparable across local ranks)."""
+
+    action: str
+    stream: str
+    start_ns: int
+    end_ns: int
+    #: bytes of activations, gradients in flight and messages this rank's program holds after the action
+    held_bytes: int
+    #: the process's resident set size after the action (0 where it was not measured)
+    rss_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    """One rank's one step as it ran: the record every reader takes, from the worker onward.
+
+    The worker makes it; the launcher's results, the node daemon's step metrics,
+    the Perfetto traces and the Profile protos are made from it. Times are the
+    machine's monotonic clock in nanoseconds.
+    """
+
+    rank: int
+    step: int
+    start_ns: int
+    end_ns: int
+    records: tuple[ActionRecord, ...]
+    loss: float | None = None
+    plan_switches: int = 0
+    #: the step whose checkpoint this step saved, if it saved one
+    checkpoint: int | None = None
+
+    @property
+    def peak_held_bytes(self) -> int:
+        return max((r.held_bytes for r in self.records), default=0)
+
+    def to_proto(self, origin_ns: int | None = None) -> profile_pb2.RankTimeline:
+        """As a ``RankTimeline``, times in microseconds from ``origin_ns`` (default: this step's start)."""
+        origin = self.start_ns if origin_ns is None else origin_ns
+        timeline = profile_pb2.RankTimeline(rank=self.rank, step=self.step, peak_memory_bytes=self.peak_held_bytes)
+        for record in self.records:
+            message = timeline.records.add(
+                stream=record.stream,
+                start_us=(record.start_ns - origin) / 1e3,
+                end_us=(record.end_ns - origin) / 1e3,
+                memory_after_bytes=record.held_bytes,
+            )
+            message.action.CopyFrom(action_to_proto(parse_action(record.action)))
+        return timeline
+
+    @classmethod
+    def from_proto(
+        cls, timeline: profile_pb2.RankTimeline, *, start_ns: int = 0, duration_us: float | None = None
+    ) -> StepTimeline:
+        """From a ``RankTimeline`` whose times count from ``start_ns``; the step ends after ``duration_us``
+        (default: at its last action's end)."""
+        records = tuple(
+            ActionRecord(
+                action=format_action(action_from_proto(r.action)),
+                stream=r.stream,
+                start_ns=start_ns + round(r.start_us * 1e3),
+                end_ns=start_ns + round(r.end_us * 1e3),
+                held_bytes=int(r.memory_after_bytes),
+            )
+            for r in timeline.records
+        )
+        begin = start_ns if duration_us is not None else min((r.start_ns for r in records), default=start_ns)
+        end = (
+            start_ns + round(duration_us * 1e3)
+            if duration_us is not None
+            else max((r.end_ns for r in records), default=start_ns)
+        )
+        return cls(rank=timeline.rank, step=timeline.step, start_ns=begin, end_ns=end, records=records)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values only (a rank's result file is loaded with ``torch.load(weights_only=True)``)."""
+        return {
+            "rank": self.rank,
+            "step": self.step,
+            "start_ns": self.start_ns,
+            "end_ns": self.end_ns,
+            "loss": self.loss,
+            "plan_switches": self.plan_switches,
+            "checkpoint": self.checkpoint,
+            "records": [[r.action, r.stream, r.start_ns, r.end_ns, r.held_bytes, r.rss_bytes] for r in self.records],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepTimeline:
+        records = tuple(ActionRecord(*values) for values in data["records"])
+        return cls(
+            rank=int(data["rank"]),
+            step=int(data["step"]),
+            start_ns=int(data["start_ns"]),
+            end_ns=int(data["end_ns"]),
+            records=records,
+            loss=data["loss"],
+            plan_switches=int(data["plan_switches"]),
+            checkpoint=data["checkpoint"],
+        )
+
+
 class RunFailed(RuntimeError):
     """A rank failed; the message is the first failure's, naming rank, step and action."""
 
@@ -141,8 +248,8 @@ class RunResult:
     losses: list[float]
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: rank -> per step {"start_ns", "end_ns", "records": [ActionRecord fields]}
-    timelines: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    #: rank -> its steps as they ran
+    timelines: dict[int, list[StepTimeline]] = field(default_factory=dict)
     #: rank -> channel ("send <peer>" or "recv <peer>") -> its transfers in the order they started, every step
     channels: dict[int, dict[str, list[int]]] = field(default_factory=dict)
     #: rank -> the cores it ran on (one each when pinned)

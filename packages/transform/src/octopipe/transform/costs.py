@@ -189,7 +189,9 @@ def profile_costs(
 
     links = [link for link in profile.links if link.source_rank == rank] or list(profile.links)
     if not links:
-        raise ValueError("the profile has no links: measure them (octopipe.execute.linkprobe) to price collectives")
+        raise ValueError(
+            "the profile has no links: measure them (octopipe.execute.runtime.linkprobe) to price collectives"
+        )
     latency = statistics.fmean(link.latency_us for link in links)
     bandwidth = statistics.fmean(link.bandwidth_bytes_per_second for link in links) / 1e6
     if bandwidth <= 0:

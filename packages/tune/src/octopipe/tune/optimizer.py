@@ -72,7 +72,7 @@ class TuneConfig:
     and run with, or the tuner plans for a different machine than the verifier
     checks: for local ranks that is ``octopipe.simulate.local_link(profile)``
     (the profile's link, else ``octopipe.simulate.LOCAL_GLOO_LINK``), which
-    ``octopipe tune`` and ``octopipe.execute.pipeline.tune_reference`` pass.
+    ``octopipe tune`` and ``octopipe.execute.runtime.pipeline.tune_reference`` pass.
     """
 
     num_ranks: int

@@ -6,7 +6,7 @@ value: one stage per rank, interleaved chunks, or the V), gives its generator
 whether its backward is split into I and W, and torch.distributed.pipelining's
 class for it when torch has one. The tuner (``tune``, ``tune_mesh``), the
 closed loop (``retune``), ``octopipe plan show --example`` and the torch
-interop (``octopipe.execute.interop``) all read it; there is no other table.
+interop (``octopipe.execute.runtime.interop``) all read it; there is no other table.
 
 **Adding a schedule** is adding one :class:`ScheduleEntry` to
 :data:`DEFAULT_SCHEDULES` below (or, without editing octopipe,
@@ -152,7 +152,7 @@ class ScheduleEntry:
         if self.generator is None:
             raise ValueError(
                 f"schedule {self.name!r} has no octopipe generator (it is torch's {self.torch_class}, for the "
-                "torch interop only): use octopipe.execute.interop.torch_schedule_plan"
+                "torch interop only): use octopipe.execute.runtime.interop.torch_schedule_plan"
             )
         plan = self.generator(num_ranks, num_microbatches, layer_names=layer_names)
         if plan.labels.get("schedule") != self.name:

@@ -7,13 +7,12 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from octopipe.execute.control.security import AuthInterceptor, CertPaths, Claims, channel_options, server_credentials
-from octopipe.ir import action_to_proto, parse_action
+from octopipe.execute.runs import StepTimeline
 from octopipe.node.v1 import node_pb2
 
 __all__ = [
@@ -114,31 +113,18 @@ class Waiter:
             return self._version
 
 
-def step_metrics(run_id: str, event: dict[str, Any]) -> node_pb2.StepMetrics:
-    """A rank's step event (from the worker's events queue) as StepMetrics, times from the step's start."""
-    origin = int(event["start_ns"])
+def step_metrics(run_id: str, timeline: StepTimeline) -> node_pb2.StepMetrics:
+    """A rank's step (from the worker's events queue) as StepMetrics, times from the step's start."""
     metrics = node_pb2.StepMetrics(
         run_id=run_id,
-        step=int(event["step"]),
-        rank=int(event["rank"]),
-        step_duration_us=(int(event["end_ns"]) - origin) / 1e3,
-        plan_switches=int(event.get("plan_switches", 0)),
-        step_start_ns=origin,
+        step=timeline.step,
+        rank=timeline.rank,
+        step_duration_us=(timeline.end_ns - timeline.start_ns) / 1e3,
+        plan_switches=timeline.plan_switches,
+        step_start_ns=timeline.start_ns,
+        peak_memory_bytes=timeline.peak_held_bytes,
     )
-    if event.get("loss") is not None:
-        metrics.loss = float(event["loss"])
-    timeline = metrics.timeline
-    timeline.rank, timeline.step = metrics.rank, metrics.step
-    peak = 0
-    for record in event["records"]:
-        message = timeline.records.add(
-            stream=record["stream"],
-            start_us=(int(record["start_ns"]) - origin) / 1e3,
-            end_us=(int(record["end_ns"]) - origin) / 1e3,
-            memory_after_bytes=int(record["held_bytes"]),
-        )
-        message.action.CopyFrom(action_to_proto(parse_action(record["action"])))
-        peak = max(peak, int(record["held_bytes"]))
-    timeline.peak_memory_bytes = peak
-    metrics.peak_memory_bytes = peak
+    if timeline.loss is not None:
+        metrics.loss = timeline.loss
+    metrics.timeline.CopyFrom(timeline.to_proto())
     return metrics

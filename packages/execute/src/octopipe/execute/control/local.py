@@ -23,8 +23,7 @@ from octopipe.execute.control.common import state_name
 from octopipe.execute.control.coordinator import Coordinator, CoordinatorConfig
 from octopipe.execute.control.node import NodeConfig, NodeDaemon
 from octopipe.execute.control.security import add_node_certs, make_certs, node_identity
-from octopipe.execute.runs import RunFailed, RunResult
-from octopipe.ir import action_from_proto, format_action
+from octopipe.execute.runs import RunFailed, RunResult, StepTimeline
 from octopipe.node.v1 import node_pb2
 from octopipe.plan.v1 import plan_pb2
 
@@ -48,19 +47,9 @@ def result_from_metrics(
     ordered = sorted(metrics, key=lambda m: (m.rank, m.step))
     result = RunResult(losses=[m.loss for m in ordered if m.rank == last_rank], wall_s=wall_s)
     for item in ordered:
-        origin = int(item.step_start_ns)
-        records = [
-            {
-                "action": format_action(action_from_proto(record.action)),
-                "stream": record.stream,
-                "start_ns": origin + round(record.start_us * 1e3),
-                "end_ns": origin + round(record.end_us * 1e3),
-                "held_bytes": int(record.memory_after_bytes),
-                "rss_bytes": 0,
-            }
-            for record in item.timeline.records
-        ]
-        step = {"start_ns": origin, "end_ns": origin + round(item.step_duration_us * 1e3), "records": records}
+        step = StepTimeline.from_proto(
+            item.timeline, start_ns=int(item.step_start_ns), duration_us=item.step_duration_us
+        )
         result.timelines.setdefault(int(item.rank), []).append(step)
     return result
 

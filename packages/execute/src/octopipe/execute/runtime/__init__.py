@@ -1,8 +1,8 @@
 """The runtime: interpret a Plan's per-rank actions on torch.distributed."""
 
-from octopipe.execute.runs import RunFailed, RunOptions, RunResult
+from octopipe.execute.runs import ActionRecord, RunFailed, RunOptions, RunResult, StepTimeline
 from octopipe.execute.runtime.comm import Aborted, Channels, CommTimeout
-from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime, StepFailure
+from octopipe.execute.runtime.interpreter import RankRuntime, StepFailure
 from octopipe.execute.runtime.launcher import run_local, run_local_many
 from octopipe.execute.runtime.measure import (
     measured_step_times_us,
@@ -27,6 +27,7 @@ __all__ = [
     "RunOptions",
     "RunResult",
     "StepFailure",
+    "StepTimeline",
     "build_model",
     "measured_step_times_us",
     "median_step_time_us",

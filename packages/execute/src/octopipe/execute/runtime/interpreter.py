@@ -40,6 +40,7 @@ from typing import Protocol
 import torch
 
 from octopipe.capture import StageGraphs
+from octopipe.execute.runs import ActionRecord
 from octopipe.execute.runtime.comm import Channels
 from octopipe.ir import Action, ActionKind
 from octopipe.ir.program import OVERLAP, Program, stream_of
@@ -95,20 +96,6 @@ def rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-@dataclass(frozen=True)
-class ActionRecord:
-    """One action as it ran: times on the machine's monotonic clock (comparable across local ranks)."""
-
-    action: str
-    stream: str
-    start_ns: int
-    end_ns: int
-    #: bytes of activations, gradients in flight and messages this rank's program holds after the action
-    held_bytes: int
-    #: the process's resident set size after the action
-    rss_bytes: int
 
 
 Grads = list[torch.Tensor | None]

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from octopipe.execute.processes import free_port
-from octopipe.execute.runs import ABORT_KEY, RunFailed, RunOptions, RunResult, WorkerConfig
+from octopipe.execute.runs import ABORT_KEY, RunFailed, RunOptions, RunResult, StepTimeline, WorkerConfig
 from octopipe.execute.runtime.pinning import shared_cores
 from octopipe.execute.runtime.worker import worker_main
 from octopipe.ir import MeshSpec, mesh_spec
@@ -130,7 +130,7 @@ def run_local_many(plans: Sequence[plan_pb2.Plan], options: RunOptions | None = 
             entry = per_rank[index]
             result.grads.update(entry["grads"])
             result.params.update(entry["params"])
-            result.timelines[int(entry["rank"])] = entry["timelines"]
+            result.timelines[int(entry["rank"])] = [StepTimeline.from_dict(t) for t in entry["timelines"]]
             result.channels[int(entry["rank"])] = entry["channels"]
             result.cores[int(entry["rank"])] = list(entry["cores"])
             if entry.get("numerics") is not None:

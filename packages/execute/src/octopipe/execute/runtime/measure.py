@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from octopipe.execute.runtime.launcher import RunResult
-from octopipe.ir import action_to_proto, parse_action
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import Simulation, to_chrome_trace
 
@@ -31,14 +30,14 @@ MEASURED_PID_OFFSET = 1000
 
 
 def _step_origin(result: RunResult, step: int) -> int:
-    return min(int(steps[step]["start_ns"]) for steps in result.timelines.values())
+    return min(steps[step].start_ns for steps in result.timelines.values())
 
 
 def measured_step_times_us(result: RunResult) -> list[float]:
     """Per step: from the first rank's start to the last rank's end, in microseconds."""
     count = min(len(steps) for steps in result.timelines.values())
     return [
-        (max(int(steps[i]["end_ns"]) for steps in result.timelines.values()) - _step_origin(result, i)) / 1e3
+        (max(steps[i].end_ns for steps in result.timelines.values()) - _step_origin(result, i)) / 1e3
         for i in range(count)
     ]
 
@@ -48,19 +47,8 @@ def timelines_to_proto(result: RunResult) -> list[profile_pb2.RankTimeline]:
     timelines = []
     for rank in sorted(result.timelines):
         for step, data in enumerate(result.timelines[rank]):
-            origin = _step_origin(result, step)
-            timeline = profile_pb2.RankTimeline(rank=rank, step=step)
-            peak = 0
-            for record in data["records"]:
-                message = timeline.records.add(
-                    stream=record["stream"],
-                    start_us=(record["start_ns"] - origin) / 1e3,
-                    end_us=(record["end_ns"] - origin) / 1e3,
-                    memory_after_bytes=record["held_bytes"],
-                )
-                message.action.CopyFrom(action_to_proto(parse_action(record["action"])))
-                peak = max(peak, int(record["held_bytes"]))
-            timeline.peak_memory_bytes = peak
+            timeline = data.to_proto(_step_origin(result, step))  # times from the step's start on any rank
+            timeline.step = step
             timelines.append(timeline)
     return timelines
 
@@ -78,21 +66,21 @@ def measured_trace_events(
         events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
         for stream, tid in tids.items():
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": stream}})
-        for record in result.timelines[rank][step]["records"]:
-            start = (record["start_ns"] - origin) / 1e3
+        for record in result.timelines[rank][step].records:
+            start = (record.start_ns - origin) / 1e3
             events.append(
                 {
-                    "name": record["action"],
-                    "cat": f"measured {record['stream']}",
+                    "name": record.action,
+                    "cat": f"measured {record.stream}",
                     "ph": "X",
                     "pid": pid,
-                    "tid": tids[record["stream"]],
+                    "tid": tids[record.stream],
                     "ts": start,
-                    "dur": (record["end_ns"] - record["start_ns"]) / 1e3,
+                    "dur": (record.end_ns - record.start_ns) / 1e3,
                 }
             )
             events.append(
-                {"name": "memory", "ph": "C", "pid": pid, "ts": start, "args": {"held bytes": record["held_bytes"]}}
+                {"name": "memory", "ph": "C", "pid": pid, "ts": start, "args": {"held bytes": record.held_bytes}}
             )
     return events
 

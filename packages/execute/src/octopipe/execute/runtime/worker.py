@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import structlog
 import torch
@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from octopipe.capture import StageModule
 from octopipe.execute.processes import die_with_parent
-from octopipe.execute.runs import ABORT_KEY, PLAN_KEY, WorkerConfig, same_layout
+from octopipe.execute.runs import ABORT_KEY, PLAN_KEY, ActionRecord, StepTimeline, WorkerConfig, same_layout
 from octopipe.execute.runtime.checkpoint import load_checkpoint, save_checkpoint
 from octopipe.execute.runtime.comm import Channels
-from octopipe.execute.runtime.interpreter import ActionRecord, RankRuntime
+from octopipe.execute.runtime.interpreter import RankRuntime
 from octopipe.execute.runtime.memory import AllocatorPeak, MemoryMeasurement, resident_bytes
 from octopipe.execute.runtime.mesh import MeshRank
 from octopipe.execute.runtime.models import BuiltModel, build_model
@@ -49,7 +49,7 @@ __all__ = ["StepEvents", "publish_plan", "worker_main"]
 class StepEvents(Protocol):
     """Where a rank reports each completed step (a multiprocessing queue)."""
 
-    def put(self, item: dict[str, Any], /) -> None: ...
+    def put(self, item: StepTimeline, /) -> None: ...
 
 
 class _Recorder:
@@ -227,7 +227,7 @@ def _run_plan(
         numerics["seconds"] = report.seconds
     optimizer = torch.optim.AdamW(list(params.values()), lr=config.learning_rate, foreach=False)
     losses: list[float] = []
-    timelines: list[dict[str, object]] = []
+    timelines: list[StepTimeline] = []
     first_grads: dict[str, torch.Tensor] = {}
     # a mesh's replicas hold different shards and experts under the same names: keep them apart
     replica, dp = mesh.spec.coords(rank)[1], mesh.spec.dp
@@ -262,26 +262,23 @@ def _run_plan(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         runtime.zero_grads()
-        timelines.append(
-            {"start_ns": step_start, "end_ns": step_end, "records": [r.__dict__ for r in recorder.records]}
-        )
         saved = None
         if config.checkpoint_every and config.checkpoint_dir and (step + 1) % config.checkpoint_every == 0:
             save_checkpoint(config.checkpoint_dir, step + 1, params, optimizer, suffix=suffix)
             saved = step + 1
+        timeline = StepTimeline(
+            rank=rank,
+            step=step,
+            start_ns=step_start,
+            end_ns=step_end,
+            records=tuple(recorder.records),
+            loss=None if loss is None else float(loss),
+            plan_switches=switches,
+            checkpoint=saved,
+        )
+        timelines.append(timeline)
         if events is not None:
-            events.put(
-                {
-                    "rank": rank,
-                    "step": step,
-                    "loss": None if loss is None else float(loss),
-                    "start_ns": step_start,
-                    "end_ns": step_end,
-                    "records": timelines[-1]["records"],
-                    "checkpoint": saved,
-                    "plan_switches": switches,
-                }
-            )
+            events.put(timeline)
     memory = _measure_memory(config, built, runtime, stages, mine, optimizer) if config.measure_memory else None
     runtime.channels.close()
     return {
@@ -295,7 +292,7 @@ def _run_plan(
         "losses": losses,
         "grads": mesh.full(first_grads),  # whole tensors from the shards (a collective when dp > 1)
         "params": mesh.full({n: p.detach() for n, p in params.items()}) if config.keep_params else {},
-        "timelines": timelines,
+        "timelines": [t.as_dict() for t in timelines],
         # each channel's transfers in the order they started, all steps of the last program
         "channels": {f"{d} {peer}": list(order) for (d, peer), order in runtime.channels.started.items()},
     }

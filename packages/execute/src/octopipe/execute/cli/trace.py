@@ -12,16 +12,20 @@ import json
 from pathlib import Path
 from typing import Any
 
-from octopipe.execute.jsonout import print_json
+from octopipe.execute.cli.jsonout import print_json
+from octopipe.execute.runs import RunResult, StepTimeline
 from octopipe.profile.v1 import profile_pb2
+from octopipe.tune import ScheduleRegistry
 
-__all__ = ["add_parser", "measured_result", "run"]
+__all__ = ["measured_result", "register", "run"]
 
 
-def add_parser(sub: Any) -> None:
+def register(sub: Any, registry: ScheduleRegistry) -> None:
+    """Add ``octopipe trace`` to the CLI's subcommands."""
     parser = sub.add_parser(
         "trace", help="write a Perfetto trace of a plan: simulated, measured (from `run --timeline`), or both"
     )
+    parser.set_defaults(handler=run)
     parser.add_argument("plan", type=Path, help="plan file (.binpb/.pb, .json, .txt/.plan, .csv)")
     parser.add_argument("--profile", type=Path, help="layer costs: add the simulated timeline")
     parser.add_argument("--timeline", type=Path, help="measured timelines from `octopipe run --timeline FILE`")
@@ -31,28 +35,12 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--json", action="store_true", help="print what was written as JSON")
 
 
-def measured_result(timelines: list[profile_pb2.RankTimeline]) -> Any:
+def measured_result(timelines: list[profile_pb2.RankTimeline]) -> RunResult:
     """The measured ``RankTimeline`` messages as a ``runtime.RunResult`` (times relative to each step's start)."""
-    from octopipe.execute.runtime import RunResult  # noqa: PLC0415 - loads torch
-    from octopipe.ir import action_from_proto, format_action  # noqa: PLC0415
 
-    by_rank: dict[int, dict[int, dict[str, Any]]] = {}
+    by_rank: dict[int, dict[int, StepTimeline]] = {}
     for timeline in timelines:
-        records: list[dict[str, Any]] = [
-            {
-                "action": format_action(action_from_proto(r.action)),
-                "stream": r.stream,
-                "start_ns": round(r.start_us * 1e3),
-                "end_ns": round(r.end_us * 1e3),
-                "held_bytes": r.memory_after_bytes,
-            }
-            for r in timeline.records
-        ]
-        by_rank.setdefault(timeline.rank, {})[timeline.step] = {
-            "start_ns": min((r["start_ns"] for r in records), default=0),
-            "end_ns": max((r["end_ns"] for r in records), default=0),
-            "records": records,
-        }
+        by_rank.setdefault(timeline.rank, {})[timeline.step] = StepTimeline.from_proto(timeline)
     steps = sorted({s for per_rank in by_rank.values() for s in per_rank})
     if not steps or any(sorted(per_rank) != steps for per_rank in by_rank.values()):
         raise ValueError("the timeline file must hold the same steps for every rank (write it with `octopipe run`)")
@@ -60,8 +48,8 @@ def measured_result(timelines: list[profile_pb2.RankTimeline]) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octopipe.execute.profile_cmd import load_profile  # noqa: PLC0415
-    from octopipe.execute.simulate_cmd import simulate_file  # noqa: PLC0415
+    from octopipe.execute.cli.profile import load_profile  # noqa: PLC0415
+    from octopipe.execute.cli.simulate import simulate_file  # noqa: PLC0415
     from octopipe.simulate import plot_timeline, to_chrome_trace  # noqa: PLC0415
 
     if args.out.suffix != ".json":

@@ -20,13 +20,22 @@ from typing import Any
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
-from octopipe.execute.jsonout import estimate_json
+from octopipe.execute.cli.jsonout import estimate_json
 from octopipe.ir import plan_to_text, save_plan
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import Estimate, GroupLinks, Link, local_link
-from octopipe.tune import FAMILIES, MeshTuneConfig, MeshTuneResult, TuneConfig, TuneResult, tune, tune_mesh
+from octopipe.tune import (
+    FAMILIES,
+    MeshTuneConfig,
+    MeshTuneResult,
+    ScheduleRegistry,
+    TuneConfig,
+    TuneResult,
+    tune,
+    tune_mesh,
+)
 
-__all__ = ["add_parser", "load_profile", "parse_bytes", "run"]
+__all__ = ["load_profile", "parse_bytes", "register", "run"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -45,8 +54,10 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def add_parser(sub: Any) -> None:
+def register(sub: Any, registry: ScheduleRegistry) -> None:
+    """Add ``octopipe tune`` to the CLI's subcommands."""
     parser = sub.add_parser("tune", help="tune partition, placement and schedule for a Profile; write the plan")
+    parser.set_defaults(handler=run)
     parser.add_argument("profile", type=Path, help="a Profile (.binpb/.pb or .json), e.g. from `octopipe profile`")
     parser.add_argument("--ranks", type=int, help="pipeline ranks (one pipeline; or give --devices)")
     parser.add_argument("--microbatches", type=int, help="micro-batches per step (with --ranks)")

@@ -27,16 +27,17 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from octopipe.execute.jsonout import dumps, estimate_json, print_json
+from octopipe.execute.cli.jsonout import dumps, estimate_json, print_json
 from octopipe.ir import mesh_spec
+from octopipe.tune import ScheduleRegistry
 
 if TYPE_CHECKING:  # the job's modules load torch: imported when the demo runs, not when the CLI starts
-    from octopipe.execute.pipeline import Comparison
     from octopipe.execute.runtime import RunResult
+    from octopipe.execute.runtime.pipeline import Comparison
     from octopipe.plan.v1 import plan_pb2
     from octopipe.profile.v1 import profile_pb2
 
-__all__ = ["DemoConfig", "add_parser", "run", "run_demo"]
+__all__ = ["DemoConfig", "register", "run", "run_demo"]
 
 #: model sizes: the zoo's unit-test sizes, a little larger, and shared/benchmarks.md's standard ones
 SIZES: dict[str, dict[str, object]] = {
@@ -80,10 +81,12 @@ class DemoConfig:
         return workload_reference(self.workload, **SIZES[self.size])
 
 
-def add_parser(sub: Any) -> None:
+def register(sub: Any, registry: ScheduleRegistry) -> None:
+    """Add ``octopipe demo`` to the CLI's subcommands."""
     parser = sub.add_parser(
         "demo", help="the embedded default job: profile, tune, verify, simulate and run a heterogeneous model"
     )
+    parser.set_defaults(handler=run)
     parser.add_argument("--workload", default="nemotronh-16", help="jamba-8, nemotronh-16, llama-8 or moe-ep-4")
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model sizes (default tiny: seconds)")
     parser.add_argument("--ranks", type=int, default=2, help="local CPU ranks (default 2)")
@@ -167,8 +170,8 @@ class _Step:
 
 def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str, Any]:
     """The whole job; prints tables on ``console`` (None: silent) and returns the JSON summary."""
-    from octopipe.execute import pipeline  # noqa: PLC0415
-    from octopipe.execute.linkprobe import local_links, measure_link  # noqa: PLC0415
+    from octopipe.execute.runtime import pipeline  # noqa: PLC0415
+    from octopipe.execute.runtime.linkprobe import local_links, measure_link  # noqa: PLC0415
     from octopipe.simulate import local_cost_model, verify_plan  # noqa: PLC0415
     from octopipe.tune import TuneConfig  # noqa: PLC0415
 
@@ -274,7 +277,7 @@ def _write_files(
     base_cmp: Comparison,
     results: Sequence[RunResult],
 ) -> dict[str, Path]:
-    from octopipe.execute.profile_cmd import save_profile  # noqa: PLC0415
+    from octopipe.execute.cli.profile import save_profile  # noqa: PLC0415
     from octopipe.execute.runtime import write_side_by_side_trace  # noqa: PLC0415
     from octopipe.ir import plan_to_text, plan_to_torch_csv, save_plan  # noqa: PLC0415
     from octopipe.simulate import plot_timeline  # noqa: PLC0415

@@ -18,8 +18,9 @@ from typing import Any
 from google.protobuf import json_format
 
 from octopipe.node.v1 import node_pb2
+from octopipe.tune import ScheduleRegistry
 
-__all__ = ["EXIT_RUN_FAILED", "EXIT_UNREACHABLE", "add_parser"]
+__all__ = ["EXIT_RUN_FAILED", "EXIT_UNREACHABLE", "register"]
 
 EXIT_RUN_FAILED = 3
 EXIT_UNREACHABLE = 4
@@ -43,7 +44,8 @@ def _client_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
 
 
-def add_parser(sub: Any) -> None:
+def register(sub: Any, registry: ScheduleRegistry) -> None:
+    """Add the control-plane commands (certs, coordinator, node, submit, runs, cancel, resume)."""
     certs = sub.add_parser("certs", help="make a CA and certificates for a test cluster")
     certs_sub = certs.add_subparsers(dest="certs_command", metavar="CERTS_COMMAND", required=True)
     make = certs_sub.add_parser(
@@ -273,7 +275,7 @@ def _submit(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     profile = None
     if args.adapt is not None:
-        from octopipe.execute.profile_cmd import load_profile  # noqa: PLC0415
+        from octopipe.execute.cli.profile import load_profile  # noqa: PLC0415
 
         profile = load_profile(args.adapt)
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from octopipe.execute.jsonout import estimate_json, print_json
+from octopipe.execute.cli.jsonout import estimate_json, print_json
 from octopipe.ir import load_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
@@ -21,12 +21,15 @@ from octopipe.simulate import (
     uniform_profile,
     verify_plan,
 )
+from octopipe.tune import ScheduleRegistry
 
-__all__ = ["add_parser", "run", "simulate_file"]
+__all__ = ["register", "run", "simulate_file"]
 
 
-def add_parser(sub: Any) -> None:
+def register(sub: Any, registry: ScheduleRegistry) -> None:
+    """Add ``octopipe simulate`` to the CLI's subcommands."""
     parser = sub.add_parser("simulate", help="verify a plan and predict its step time and memory from a Profile")
+    parser.set_defaults(handler=run)
     parser.add_argument("plan", type=Path, help="plan file (.binpb/.pb, .json, .txt/.plan, .csv)")
     parser.add_argument(
         "--profile", type=Path, help="a Profile from `octopipe profile` (default: every action of a layer costs 1 us)"
@@ -38,7 +41,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _costs(plan: plan_pb2.Plan, profile_path: Path | None) -> profile_pb2.Profile | CostModel:
-    from octopipe.execute.profile_cmd import load_profile  # noqa: PLC0415
+    from octopipe.execute.cli.profile import load_profile  # noqa: PLC0415
 
     if profile_path is None:  # unit costs: every layer (or, in a plan that names none, every stage) 1 us per action
         if any(stage.layer_names for stage in plan.stages):

@@ -12,12 +12,15 @@ from typing import Any
 from google.protobuf import json_format
 
 from octopipe.profile.v1 import profile_pb2
+from octopipe.tune import ScheduleRegistry
 
-__all__ = ["add_parser", "load_profile", "run", "save_profile"]
+__all__ = ["load_profile", "register", "run", "save_profile"]
 
 
-def add_parser(sub: Any) -> None:
+def register(sub: Any, registry: ScheduleRegistry) -> None:
+    """Add ``octopipe profile`` to the CLI's subcommands."""
     parser = sub.add_parser("profile", help="time and size each layer's F, B and W graphs; write a Profile")
+    parser.set_defaults(handler=run)
     parser.add_argument("--workload", default="jamba-8", help="llama-8, jamba-8, nemotronh-16 or moe-ep-4")
     parser.add_argument("--tiny", action="store_true", help="unit-test sizes instead of the standard ones")
     parser.add_argument("--sequence", type=int, help="tokens per sequence (default: the workload's)")
@@ -60,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415 - torch loads only for commands that need it
 
     from octopipe.examples import ModelConfig, workload  # noqa: PLC0415
-    from octopipe.execute.linkprobe import local_links, measure_link  # noqa: PLC0415
-    from octopipe.execute.progress import spinner  # noqa: PLC0415
+    from octopipe.execute.cli.progress import spinner  # noqa: PLC0415
+    from octopipe.execute.runtime.linkprobe import local_links, measure_link  # noqa: PLC0415
     from octopipe.plan.v1 import plan_pb2  # noqa: PLC0415
     from octopipe.transform import ProfilerConfig, format_profile, profile_layers  # noqa: PLC0415
 

@@ -12,8 +12,9 @@ from octopipe.execute.runs import RunOptions, WorkerConfig
 from octopipe.ir import load_plan, mesh_spec
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
+from octopipe.tune import ScheduleRegistry
 
-__all__ = ["add_parser", "run"]
+__all__ = ["register", "run"]
 
 
 def _cpu_list(text: str) -> tuple[int, ...]:
@@ -27,8 +28,10 @@ def _cpu_list(text: str) -> tuple[int, ...]:
     return tuple(cores)
 
 
-def add_parser(sub: Any) -> None:
+def register(sub: Any, registry: ScheduleRegistry) -> None:
+    """Add ``octopipe run`` to the CLI's subcommands."""
     parser = sub.add_parser("run", help="run a plan on local CPU ranks (gloo) or join a torchrun launch")
+    parser.set_defaults(handler=run)
     parser.add_argument("plan", type=Path, help="plan file (.binpb, .json, .txt, .csv) naming its model")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
     parser.add_argument("--seed", type=int, default=0)
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
-    from octopipe.execute.profile_cmd import load_profile, save_profile  # noqa: PLC0415
+    from octopipe.execute.cli.profile import load_profile, save_profile  # noqa: PLC0415
     from octopipe.execute.runtime import (  # noqa: PLC0415
         measured_step_times_us,
         run_local,
@@ -108,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if args.torchrun:
         return _join_torchrun(plan, args)
     simulation = simulate(plan, local_cost_model(plan, load_profile(args.profile))) if args.profile else None
-    from octopipe.execute.progress import spinner  # noqa: PLC0415
+    from octopipe.execute.cli.progress import spinner  # noqa: PLC0415
 
     with spinner(f"running {args.steps} steps on {len(plan.ranks)} local ranks ...", enabled=not args.json):
         result = run_local(
@@ -132,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         write_side_by_side_trace(args.trace, simulation, result, step=len(times) - 1)
     if args.json:
-        from octopipe.execute.jsonout import estimate_json, print_json  # noqa: PLC0415
+        from octopipe.execute.cli.jsonout import estimate_json, print_json  # noqa: PLC0415
 
         print_json(
             {

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from octopipe.capture import pipeline_spec, trace_model
-from octopipe.execute.linkprobe import local_links
 from octopipe.execute.runtime import (
     RunResult,
     build_model,
@@ -33,6 +32,7 @@ from octopipe.execute.runtime import (
     median_step_time_us,
     timelines_to_proto,
 )
+from octopipe.execute.runtime.linkprobe import local_links
 from octopipe.execute.runtime.models import model_inputs
 from octopipe.execute.runtime.whole_model import whole_model_stages
 from octopipe.plan.v1 import plan_pb2

@@ -1,0 +1,125 @@
+"""The ``octopipe`` command line.
+
+Exit codes (every error is one line on stderr, ``octopipe: error: ...``, saying what to change):
+
+- 0: success;
+- 1: an internal error (a bug: the traceback is printed above the line; please report it);
+- 2: bad arguments or unreadable input, including a plan the static verifier rejects;
+- 3: a run failed (a rank raised, died or timed out; the line names the rank, step and action);
+- 4: the coordinator could not be reached;
+- 130: interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import NoReturn
+
+from octopipe.execute.cli import control, demo, plan, profile, run, simulate, trace, tune
+from octopipe.execute.cli.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
+from octopipe.execute.logconfig import configure_logging
+from octopipe.ir import (
+    PlanError,
+)
+from octopipe.tune import DEFAULT_SCHEDULES, ScheduleRegistry
+
+__all__ = [
+    "EXIT_INTERNAL",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_RUN_FAILED",
+    "EXIT_UNREACHABLE",
+    "EXIT_USAGE",
+    "main",
+]
+
+EXIT_RUN_FAILED = control.EXIT_RUN_FAILED
+EXIT_UNREACHABLE = control.EXIT_UNREACHABLE
+
+#: every command module: ``register(sub, registry)`` adds its parser(s), each with ``handler=`` set.
+#: A new command is one module here.
+COMMANDS = (plan, profile, tune, simulate, run, trace, control, demo)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version("octopipe-execute")
+    except PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+def build_parser(*, registry: ScheduleRegistry = DEFAULT_SCHEDULES) -> argparse.ArgumentParser:
+    """The CLI's parser; ``plan show --example`` offers the generated schedules of ``registry``."""
+    parser = _Parser(prog="octopipe", description="Pipeline-parallel training: plan, simulate, tune, run.")
+    parser.set_defaults(registry=registry)
+    parser.add_argument("--version", action="version", version=f"octopipe {_version()}")
+    parser.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    for command in COMMANDS:
+        command.register(sub, registry)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, *, registry: ScheduleRegistry = DEFAULT_SCHEDULES) -> int:
+    """Run the CLI; return the exit code. ``registry``: the schedules ``plan show --example`` and ``tune`` use."""
+    parser = build_parser(registry=registry)
+    try:
+        args = parser.parse_args(argv)
+        configure_logging(fmt=args.log_format)
+        handler = getattr(args, "handler", None)  # every command sets its handler when it registers
+        if handler is not None:
+            return int(handler(args))
+        parser.print_help()
+        return EXIT_USAGE
+    except (UsageError, PlanError, ValueError) as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("octopipe: error: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if _is_run_failure(exc):
+            _error(f"the run failed: {exc}")
+            return EXIT_RUN_FAILED
+        traceback.print_exc()
+        print(
+            f"octopipe: error: internal error {type(exc).__name__}: {exc} (a bug: please report it with the command "
+            "and the traceback above)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
+
+
+def _error(message: str) -> None:
+    """The error on one line; lines after the first (a verifier's rank x step grid) follow indented."""
+    first, *context = message.strip().splitlines() or [""]
+    print(f"octopipe: error: {first}", file=sys.stderr)
+    for line in context:
+        print(f"  {line}", file=sys.stderr)
+
+
+def _is_run_failure(exc: Exception) -> bool:
+    """A rank failed (``runtime.RunFailed``, ``CommTimeout``); checked without loading the runtime (torch)."""
+    launcher, comm = (
+        sys.modules.get("octopipe.execute.runtime.launcher"),
+        sys.modules.get("octopipe.execute.runtime.comm"),
+    )
+    failures = tuple(
+        cls for cls in (getattr(launcher, "RunFailed", None), getattr(comm, "CommTimeout", None)) if cls is not None
+    )
+    return bool(failures) and isinstance(exc, failures)
+
+
+def entry() -> NoReturn:
+    sys.exit(main())
