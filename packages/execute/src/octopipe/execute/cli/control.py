@@ -17,6 +17,8 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from octopipe.execute.cli.profile import load_profile
+from octopipe.ir import load_plan
 from octopipe.node.v1 import node_pb2
 from octopipe.tune import ScheduleRegistry
 
@@ -270,13 +272,10 @@ def _finish(client: Any, run_id: str, wait_s: float, as_json: bool) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from octopipe.ir import load_plan  # noqa: PLC0415
 
     plan = load_plan(args.plan)
     profile = None
     if args.adapt is not None:
-        from octopipe.execute.cli.profile import load_profile  # noqa: PLC0415
-
         profile = load_profile(args.adapt)
 
     def action(client: Any) -> int:
@@ -312,7 +311,6 @@ def _cancel(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from octopipe.ir import load_plan  # noqa: PLC0415
 
     plan = load_plan(args.plan) if args.plan else None
 

@@ -28,8 +28,10 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from octopipe.execute.cli.jsonout import dumps, estimate_json, print_json
-from octopipe.ir import mesh_spec
-from octopipe.tune import ScheduleRegistry
+from octopipe.execute.cli.profile import save_profile
+from octopipe.ir import format_grid, mesh_spec, plan_to_text, plan_to_torch_csv, rank_actions, save_plan
+from octopipe.simulate import local_cost_model, plot_timeline, verify_plan
+from octopipe.tune import ScheduleRegistry, TuneConfig
 
 if TYPE_CHECKING:  # the job's modules load torch: imported when the demo runs, not when the CLI starts
     from octopipe.execute.runtime import RunResult
@@ -172,8 +174,6 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
     """The whole job; prints tables on ``console`` (None: silent) and returns the JSON summary."""
     from octopipe.execute.runtime import pipeline  # noqa: PLC0415
     from octopipe.execute.runtime.linkprobe import local_links, measure_link  # noqa: PLC0415
-    from octopipe.simulate import local_cost_model, verify_plan  # noqa: PLC0415
-    from octopipe.tune import TuneConfig  # noqa: PLC0415
 
     log = structlog.get_logger("octopipe.demo")
     reference = config.reference()
@@ -277,10 +277,7 @@ def _write_files(
     base_cmp: Comparison,
     results: Sequence[RunResult],
 ) -> dict[str, Path]:
-    from octopipe.execute.cli.profile import save_profile  # noqa: PLC0415
     from octopipe.execute.runtime import write_side_by_side_trace  # noqa: PLC0415
-    from octopipe.ir import plan_to_text, plan_to_torch_csv, save_plan  # noqa: PLC0415
-    from octopipe.simulate import plot_timeline  # noqa: PLC0415
 
     files = {
         "plan": out / "plan.binpb",
@@ -323,7 +320,6 @@ def _print_report(
     summary: dict[str, Any],
     files: dict[str, Path],
 ) -> None:
-    from octopipe.ir import format_grid, rank_actions  # noqa: PLC0415
 
     console.print(f"chosen: {summary['choice']}", highlight=False, markup=False)
     stages = Table(title=f"plan: {description}")

@@ -16,6 +16,7 @@ import argparse
 import sys
 import traceback
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
 from octopipe.execute.cli import control, demo, plan, profile, run, simulate, trace, tune
@@ -50,7 +51,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
 
     try:
         return version("octopipe-execute")

@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from google.protobuf import json_format
 
 from octopipe.execute.cli.errors import EXIT_OK, UsageError
-from octopipe.ir import format_grid, load_plan, plan_to_text, plan_to_torch_csv, save_plan
+from octopipe.execute.cli.jsonout import print_json
+from octopipe.ir import format_grid, load_plan, plan_format_for, plan_to_text, plan_to_torch_csv, save_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.tune import ScheduleRegistry
 
@@ -73,8 +75,6 @@ def _plan_show(args: argparse.Namespace) -> int:
     elif args.fmt == "csv":
         sys.stdout.write(plan_to_torch_csv(plan, format="compute_only" if args.compute_only else "compute_comms"))
     else:
-        from google.protobuf import json_format  # noqa: PLC0415
-
         print(json.dumps(json_format.MessageToDict(plan, preserving_proto_field_name=True), indent=2))
     return EXIT_OK
 
@@ -91,9 +91,6 @@ def _plan_convert(args: argparse.Namespace) -> int:
         "plan_converted", source=str(args.source), destination=str(args.destination)
     )
     if args.json:
-        from octopipe.execute.cli.jsonout import print_json  # noqa: PLC0415
-        from octopipe.ir import plan_format_for  # noqa: PLC0415
-
         print_json(
             {
                 "source": str(args.source),

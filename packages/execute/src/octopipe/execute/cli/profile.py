@@ -11,6 +11,8 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from octopipe.execute.cli.progress import spinner
+from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.tune import ScheduleRegistry
 
@@ -63,9 +65,7 @@ def run(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415 - torch loads only for commands that need it
 
     from octopipe.examples import ModelConfig, workload  # noqa: PLC0415
-    from octopipe.execute.cli.progress import spinner  # noqa: PLC0415
     from octopipe.execute.runtime.linkprobe import local_links, measure_link  # noqa: PLC0415
-    from octopipe.plan.v1 import plan_pb2  # noqa: PLC0415
     from octopipe.transform import ProfilerConfig, format_profile, profile_layers  # noqa: PLC0415
 
     if args.out.suffix not in (".binpb", ".pb", ".json"):

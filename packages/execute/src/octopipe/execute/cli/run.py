@@ -8,10 +8,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from octopipe.execute.cli.jsonout import estimate_json, print_json
+from octopipe.execute.cli.profile import load_profile, save_profile
+from octopipe.execute.cli.progress import spinner
 from octopipe.execute.runs import RunOptions, WorkerConfig
 from octopipe.ir import load_plan, mesh_spec
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
+from octopipe.simulate import local_cost_model, simulate, verify_plan
 from octopipe.tune import ScheduleRegistry
 
 __all__ = ["register", "run"]
@@ -59,7 +66,6 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
 
 def _join_torchrun(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
     from octopipe.execute.runtime import worker_main  # noqa: PLC0415
-    from octopipe.simulate import verify_plan  # noqa: PLC0415
 
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -91,17 +97,13 @@ def _join_torchrun(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
 
-    from octopipe.execute.cli.profile import load_profile, save_profile  # noqa: PLC0415
     from octopipe.execute.runtime import (  # noqa: PLC0415
         measured_step_times_us,
         run_local,
         timelines_to_proto,
         write_side_by_side_trace,
     )
-    from octopipe.simulate import local_cost_model, simulate  # noqa: PLC0415
 
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
@@ -111,7 +113,6 @@ def run(args: argparse.Namespace) -> int:
     if args.torchrun:
         return _join_torchrun(plan, args)
     simulation = simulate(plan, local_cost_model(plan, load_profile(args.profile))) if args.profile else None
-    from octopipe.execute.cli.progress import spinner  # noqa: PLC0415
 
     with spinner(f"running {args.steps} steps on {len(plan.ranks)} local ranks ...", enabled=not args.json):
         result = run_local(
@@ -135,8 +136,6 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         write_side_by_side_trace(args.trace, simulation, result, step=len(times) - 1)
     if args.json:
-        from octopipe.execute.cli.jsonout import estimate_json, print_json  # noqa: PLC0415
-
         print_json(
             {
                 "plan": plan.name,

@@ -7,7 +7,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from octopipe.execute.cli.jsonout import estimate_json, print_json
+from octopipe.execute.cli.profile import load_profile
 from octopipe.ir import load_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
@@ -17,9 +21,11 @@ from octopipe.simulate import (
     Simulation,
     StageCost,
     local_cost_model,
+    plot_timeline,
     simulate,
     uniform_profile,
     verify_plan,
+    write_chrome_trace,
 )
 from octopipe.tune import ScheduleRegistry
 
@@ -41,7 +47,6 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
 
 
 def _costs(plan: plan_pb2.Plan, profile_path: Path | None) -> profile_pb2.Profile | CostModel:
-    from octopipe.execute.cli.profile import load_profile  # noqa: PLC0415
 
     if profile_path is None:  # unit costs: every layer (or, in a plan that names none, every stage) 1 us per action
         if any(stage.layer_names for stage in plan.stages):
@@ -72,8 +77,6 @@ def simulate_file(plan_path: Path, profile_path: Path | None, memory_cap: int | 
 
 
 def _print_table(estimate: Estimate, plan_path: Path) -> None:
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
 
     console = Console()
     console.print(
@@ -101,7 +104,6 @@ def _print_table(estimate: Estimate, plan_path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octopipe.simulate import plot_timeline, write_chrome_trace  # noqa: PLC0415
 
     simulation = simulate_file(args.plan, args.profile, args.memory_cap)
     if args.trace:

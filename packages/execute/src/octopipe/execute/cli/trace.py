@@ -12,9 +12,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
 from octopipe.execute.cli.jsonout import print_json
+from octopipe.execute.cli.profile import load_profile
+from octopipe.execute.cli.simulate import simulate_file
 from octopipe.execute.runs import RunResult, StepTimeline
 from octopipe.profile.v1 import profile_pb2
+from octopipe.simulate import plot_timeline, to_chrome_trace
 from octopipe.tune import ScheduleRegistry
 
 __all__ = ["measured_result", "register", "run"]
@@ -48,9 +53,6 @@ def measured_result(timelines: list[profile_pb2.RankTimeline]) -> RunResult:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octopipe.execute.cli.profile import load_profile  # noqa: PLC0415
-    from octopipe.execute.cli.simulate import simulate_file  # noqa: PLC0415
-    from octopipe.simulate import plot_timeline, to_chrome_trace  # noqa: PLC0415
 
     if args.out.suffix != ".json":
         raise ValueError(f"--out {args.out}: a trace is a .json file")
@@ -83,8 +85,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"files": written, "tracks": tracks})
     else:
-        from rich.console import Console  # noqa: PLC0415
-
         console = Console()
         console.print(f"written: {args.out} ({' and '.join(tracks)}; open in https://ui.perfetto.dev)", highlight=False)
         if args.png:

@@ -19,6 +19,8 @@ from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
+from rich.console import Console
+from rich.table import Table
 
 from octopipe.execute.cli.jsonout import estimate_json
 from octopipe.ir import plan_to_text, save_plan
@@ -228,8 +230,6 @@ def _mesh_json(result: MeshTuneResult, plan_path: Path, text_path: Path) -> dict
 
 
 def _print_mesh(result: MeshTuneResult, plan_path: Path, text_path: Path) -> None:
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
 
     console = Console()
     title = (
@@ -254,7 +254,6 @@ def _print_mesh(result: MeshTuneResult, plan_path: Path, text_path: Path) -> Non
 
 
 def _tune_with_progress(profile: profile_pb2.Profile, config: TuneConfig) -> TuneResult:
-    from rich.console import Console  # noqa: PLC0415 - only the interactive path draws
 
     console = Console(stderr=True)
     with console.status("tuning ...") as status:
@@ -269,7 +268,6 @@ def _estimate_table(
     title: str, rows: Sequence[tuple[str, Estimate]], *, memory: tuple[str, float], step_format: str
 ) -> Any:
     """Step time, throughput, bubble and peak memory of each (name, estimate), as a rich table."""
-    from rich.table import Table  # noqa: PLC0415
 
     unit, scale = memory
     table = Table(title=title)
@@ -316,8 +314,6 @@ def _as_json(result: TuneResult, plan_path: Path, text_path: Path) -> dict[str, 
 
 
 def _print_tables(result: TuneResult, plan_path: Path, text_path: Path) -> None:
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
 
     console = Console()
     rows = (("1F1B, equal layer counts", result.baseline), ("tuned", result.estimate))
