@@ -24,6 +24,7 @@ from octopipe.execute.control import (
     NodeDaemon,
     make_certs,
 )
+from octopipe.execute.control.pushes import RunPusher
 from octopipe.execute.control.security import (
     MAX_MESSAGE_BYTES,
     CertPaths,
@@ -288,6 +289,22 @@ def test_a_node_certificate_speaks_only_for_its_own_node(running: LocalCluster) 
     request = coordinator_pb2.RegisterNodeRequest(node_id="coordinator", address="127.0.0.1:1", devices=devices)
     refused(grpc.StatusCode.UNAUTHENTICATED, stub(running, "coordinator").RegisterNode, request)
     still_serving(running)
+
+
+def test_the_coordinator_reaches_a_node_only_at_a_daemon_whose_certificate_names_it(running: LocalCluster) -> None:
+    """A node registered under its own id but with another node's address: the push fails the TLS check."""
+    node0 = next(n for n in running.nodes if n.config.node_id == "node0")
+    pusher = RunPusher(CertPaths(running.certs, "coordinator"))
+    try:
+        plan = llama_plan(1, 2)
+        run = coordinator_pb2.Run(run_id="spoofed", plan_version=1, num_steps=1)
+        submit = coordinator_pb2.SubmitPlanRequest(plan=plan, num_steps=1)
+        error = pusher.push(run, submit, plan, {"node1": [0]}, {"node1": node0.address})
+        assert error.startswith(f"push to node node1 ({node0.address}) failed: UNAVAILABLE"), error
+        status = pusher.stub("node0", node0.address).GetNodeStatus(node_pb2.GetNodeStatusRequest(), timeout=5)
+        assert status.status.run_id != "spoofed"  # the same daemon, reached as itself: nothing started
+    finally:
+        pusher.close()
 
 
 def test_only_an_admin_certificate_submits_or_cancels_on_the_coordinator(running: LocalCluster) -> None:

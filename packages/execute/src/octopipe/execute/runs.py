@@ -133,6 +133,50 @@ class WorkerConfig:
     #: (runtime.memory); its result is each plan's ``memory``
     measure_memory: bool = False
 
+    @classmethod
+    def for_rank(
+        cls,
+        options: RunOptions,
+        *,
+        plans: Sequence[bytes],
+        rank: int,
+        world_size: int,
+        store_host: str,
+        store_port: int,
+        result_dir: str,
+        store_is_master: bool = False,
+        die_with_parent: bool = False,
+        adaptive: bool = False,
+    ) -> WorkerConfig:
+        """Rank ``rank``'s orders from the run's options: the one place a WorkerConfig is built (the local
+        launcher, the node daemon and ``octopipe run --torchrun`` all call it)."""
+        return cls(
+            plans=tuple(plans),
+            rank=rank,
+            world_size=world_size,
+            store_host=store_host,
+            store_port=store_port,
+            store_is_master=store_is_master,
+            result_dir=result_dir,
+            steps=options.steps,
+            seed=options.seed,
+            timeout_s=options.timeout_s,
+            learning_rate=options.learning_rate,
+            pin_cores=options.pin_cores,
+            cpus=tuple(options.cpus),
+            keep_grads=options.keep_grads,
+            keep_params=options.keep_params,
+            fail_at=options.fail_at.get(rank),
+            start_step=options.start_step,
+            checkpoint_dir=options.checkpoint_dir,
+            checkpoint_every=options.checkpoint_every,
+            resume=options.resume,
+            die_with_parent=die_with_parent,
+            adaptive=adaptive,
+            numerics_check=options.numerics_check,
+            measure_memory=options.measure_memory,
+        )
+
 
 @dataclass(frozen=True)
 class ActionRecord:

@@ -84,14 +84,25 @@ def _join_torchrun(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
     verify_plan(plan)  # every launch path verifies first: a plan the verifier rejects never runs
     args.out.mkdir(parents=True, exist_ok=True)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    options = RunOptions(
+        steps=args.steps,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        pin_cores=not args.no_pin,
+        numerics_check=not args.skip_numerics_check,
+    )
     worker_main(
-        WorkerConfig(
-            plans=(plan.SerializeToString(),), rank=rank, world_size=world, store_host=host, store_port=port,
-            store_is_master=rank == 0 and not agent_store, result_dir=str(args.out), steps=args.steps,
-            seed=args.seed, timeout_s=args.timeout, pin_cores=not args.no_pin,
-            numerics_check=not args.skip_numerics_check,
+        WorkerConfig.for_rank(
+            options,
+            plans=[plan.SerializeToString()],
+            rank=rank,
+            world_size=world,
+            store_host=host,
+            store_port=port,
+            store_is_master=rank == 0 and not agent_store,
+            result_dir=str(args.out),
         )
-    )  # fmt: skip
+    )
     sys.stdout.write(f"rank {rank}: results in {args.out / f'rank{rank}.pt'}\n")
     return 0
 

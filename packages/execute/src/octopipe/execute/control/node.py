@@ -49,7 +49,7 @@ from octopipe.execute.control.security import (
     secure_channel,
 )
 from octopipe.execute.processes import free_port
-from octopipe.execute.runs import WORKLOAD_SOURCE, WorkerConfig, same_layout
+from octopipe.execute.runs import WORKLOAD_SOURCE, RunOptions, WorkerConfig, same_layout
 from octopipe.ir import PlanError, mesh_spec
 from octopipe.node.v1 import node_pb2, node_pb2_grpc
 from octopipe.simulate import verify_plan
@@ -340,6 +340,8 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
             return "no rendezvous port: push to the node of rank 0 first, then pass its port to the others"
         if request.resume and not request.checkpoint_dir:
             return "a resume needs checkpoint_dir"
+        if request.checkpoint_every and not request.checkpoint_dir:
+            return "checkpoint_every needs checkpoint_dir (where the checkpoints go)"
         return ""
 
     def _launch(self, run: _Run) -> int:
@@ -361,13 +363,7 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
             shutil.rmtree(run.folder)
         run.folder.mkdir(parents=True)
         steps = (request.num_steps - request.start_step) if request.num_steps else 1 << 30
-        base = WorkerConfig(
-            plans=(request.plan.SerializeToString(),),
-            rank=0,
-            world_size=assignment.world_size,
-            store_host=host,
-            store_port=port,
-            result_dir=str(run.folder),
+        options = RunOptions(
             steps=steps,
             seed=request.seed,
             timeout_s=self.config.rank_timeout_s,
@@ -376,12 +372,20 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
             checkpoint_dir=request.checkpoint_dir,
             checkpoint_every=request.checkpoint_every,
             resume=request.resume,
-            die_with_parent=True,
-            adaptive=request.adaptive,
         )
         run.events = self._context.Queue()
         for rank in assignment.ranks:
-            config = WorkerConfig(**{**base.__dict__, "rank": rank})
+            config = WorkerConfig.for_rank(
+                options,
+                plans=[request.plan.SerializeToString()],
+                rank=rank,
+                world_size=assignment.world_size,
+                store_host=host,
+                store_port=port,
+                result_dir=str(run.folder),
+                die_with_parent=True,
+                adaptive=request.adaptive,
+            )
             run.processes.append(start_rank(self._context, config, run.events))
             run.steps_done[rank] = request.start_step
         self._log.info("ranks_started", run=run.run_id, ranks=list(assignment.ranks), rendezvous=f"{host}:{port}")

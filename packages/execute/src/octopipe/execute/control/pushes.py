@@ -18,7 +18,7 @@ import structlog
 
 from octopipe.coordinator.v1 import coordinator_pb2
 from octopipe.execute.control.common import RPC_DEADLINE_S
-from octopipe.execute.control.security import CertPaths, secure_channel
+from octopipe.execute.control.security import CertPaths, node_server_name, secure_channel
 from octopipe.ir import mesh_spec
 from octopipe.node.v1 import node_pb2, node_pb2_grpc
 from octopipe.plan.v1 import plan_pb2
@@ -29,20 +29,25 @@ MetricsSink = Callable[[str, node_pb2.StepMetrics], None]
 
 
 class RunPusher:
-    """One channel per node address; pushes, stops and metric streams over them."""
+    """One channel per node (id, address); pushes, stops and metric streams over them.
+
+    Each channel expects the daemon's certificate to name the node (``security.node_server_name``):
+    a node that registered another node's address reaches nothing."""
 
     def __init__(self, identity: CertPaths, on_metrics: MetricsSink | None = None) -> None:
         self._identity = identity
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[tuple[str, str], grpc.Channel] = {}
         self._lock = threading.Lock()
         self.on_metrics = on_metrics
         self._log = structlog.get_logger("octopipe.coordinator.push")
 
-    def stub(self, address: str) -> node_pb2_grpc.NodeServiceStub:
+    def stub(self, node_id: str, address: str) -> node_pb2_grpc.NodeServiceStub:
+        """The daemon of ``node_id`` at ``address`` (its certificate must name ``node_id``)."""
+        key = (node_id, address)
         with self._lock:
-            if address not in self._channels:
-                self._channels[address] = secure_channel(address, self._identity)
-            return node_pb2_grpc.NodeServiceStub(self._channels[address])
+            if key not in self._channels:
+                self._channels[key] = secure_channel(address, self._identity, server_name=node_server_name(node_id))
+            return node_pb2_grpc.NodeServiceStub(self._channels[key])
 
     def close(self) -> None:
         with self._lock:
@@ -88,13 +93,13 @@ class RunPusher:
             )
             sent_at = time.perf_counter()
             try:
-                response = self.stub(addresses[node_id]).PushPlan(request, timeout=RPC_DEADLINE_S)
+                response = self.stub(node_id, addresses[node_id]).PushPlan(request, timeout=RPC_DEADLINE_S)
             except grpc.RpcError as exc:
                 error = f"push to node {node_id} ({addresses[node_id]}) failed: {exc.code().name}: {exc.details()}"
-                self.stop_async(run.run_id, [addresses[n] for n in accepted], error)
+                self.stop_async(run.run_id, {n: addresses[n] for n in accepted}, error)
                 return error
             if not response.accepted:
-                self.stop_async(run.run_id, [addresses[n] for n in accepted], response.reason)
+                self.stop_async(run.run_id, {n: addresses[n] for n in accepted}, response.reason)
                 return f"node {node_id} refused the plan: {response.reason}"
             accepted.append(node_id)
             if node_id == first:
@@ -122,7 +127,7 @@ class RunPusher:
                 run_id=run.run_id, version=run.plan_version, nonce=nonce, plan=plan, switch_plan=True
             )
             try:
-                response = self.stub(addresses[node_id]).PushPlan(request, timeout=RPC_DEADLINE_S)
+                response = self.stub(node_id, addresses[node_id]).PushPlan(request, timeout=RPC_DEADLINE_S)
             except grpc.RpcError as exc:
                 return f"plan switch to node {node_id} failed: {exc.code().name}: {exc.details()}"
             if not response.accepted:
@@ -133,7 +138,7 @@ class RunPusher:
     def _follow(self, run_id: str, node_id: str, address: str) -> None:
         def follow() -> None:
             try:
-                for response in self.stub(address).StreamNodeMetrics(
+                for response in self.stub(node_id, address).StreamNodeMetrics(
                     node_pb2.StreamNodeMetricsRequest(run_id=run_id), timeout=24 * 3600
                 ):
                     if self.on_metrics is not None:
@@ -143,16 +148,16 @@ class RunPusher:
 
         threading.Thread(target=follow, name=f"octopipe-metrics-{node_id}", daemon=True).start()
 
-    def stop_async(self, run_id: str, addresses: list[str], reason: str) -> None:
-        """Tell nodes to stop a run, without blocking the caller (each call has a deadline)."""
+    def stop_async(self, run_id: str, nodes: dict[str, str], reason: str) -> None:
+        """Tell nodes (id -> address) to stop a run, without blocking the caller (each call has a deadline)."""
 
-        def stop(address: str) -> None:
+        def stop(node_id: str, address: str) -> None:
             try:
-                self.stub(address).StopRun(
+                self.stub(node_id, address).StopRun(
                     node_pb2.StopRunRequest(run_id=run_id, reason=reason), timeout=RPC_DEADLINE_S
                 )
             except grpc.RpcError as exc:
-                self._log.warning("stop_failed", run=run_id, address=address, code=exc.code().name)
+                self._log.warning("stop_failed", run=run_id, node=node_id, address=address, code=exc.code().name)
 
-        for address in addresses:
-            threading.Thread(target=stop, args=(address,), name="octopipe-stop", daemon=True).start()
+        for node_id, address in nodes.items():
+            threading.Thread(target=stop, args=(node_id, address), name="octopipe-stop", daemon=True).start()

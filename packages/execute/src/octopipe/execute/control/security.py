@@ -50,6 +50,7 @@ __all__ = [
     "channel_options",
     "make_certs",
     "node_identity",
+    "node_server_name",
     "require_identity",
     "secure_channel",
     "server_credentials",
@@ -263,7 +264,7 @@ def _issue(
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(min(now + datetime.timedelta(days=_VALID_DAYS), ca_cert.not_valid_after_utc))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(_san(hosts), critical=False)
+        .add_extension(_san([*hosts, node_server_name(common_name)] if role == NODE else hosts), critical=False)
         .add_extension(
             x509.ExtendedKeyUsage([x509.ExtendedKeyUsageOID.SERVER_AUTH, x509.ExtendedKeyUsageOID.CLIENT_AUTH]),
             critical=False,
@@ -294,11 +295,22 @@ def channel_options() -> list[tuple[str, Any]]:
     ]
 
 
-def secure_channel(target: str, identity: CertPaths) -> grpc.Channel:
-    """A mutual-TLS channel to ``target`` (host:port) authenticated as ``identity``."""
+def node_server_name(node_id: str) -> str:
+    """The name a node's certificate also carries (a DNS SAN): the coordinator connects to node ``node_id``'s
+    daemon expecting it, so an address registered for one node cannot reach another node's daemon."""
+    return f"{node_id}.node.octopipe"
+
+
+def secure_channel(target: str, identity: CertPaths, *, server_name: str | None = None) -> grpc.Channel:
+    """A mutual-TLS channel to ``target`` (host:port) authenticated as ``identity``.
+
+    ``server_name``: the name the server's certificate must carry (default: ``target``'s host)."""
     ca, cert, key = identity.read()
     credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-    return grpc.secure_channel(target, credentials, options=channel_options())
+    options = channel_options()
+    if server_name is not None:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return grpc.secure_channel(target, credentials, options=options)
 
 
 def _peer(context: grpc.ServicerContext) -> tuple[str | None, str | None]:

@@ -22,7 +22,6 @@ import multiprocessing
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -80,32 +79,20 @@ def run_local_many(plans: Sequence[plan_pb2.Plan], options: RunOptions | None = 
     context = multiprocessing.get_context("spawn")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="octopipe-run-") as folder:
-        base = WorkerConfig(
-            plans=tuple(plan.SerializeToString() for plan in plans),
-            rank=0,
-            world_size=world,
-            store_host="127.0.0.1",
-            store_port=port,
-            result_dir=folder,
-            steps=options.steps,
-            seed=options.seed,
-            timeout_s=options.timeout_s,
-            learning_rate=options.learning_rate,
-            pin_cores=options.pin_cores,
-            cpus=tuple(options.cpus),
-            keep_grads=options.keep_grads,
-            keep_params=options.keep_params,
-            checkpoint_dir=options.checkpoint_dir,
-            checkpoint_every=options.checkpoint_every,
-            start_step=options.start_step,
-            resume=options.resume,
-            numerics_check=options.numerics_check,
-            measure_memory=options.measure_memory,
-        )
         processes = [
             context.Process(
                 target=worker_main,
-                args=(replace(base, rank=r, fail_at=options.fail_at.get(r)),),
+                args=(
+                    WorkerConfig.for_rank(
+                        options,
+                        plans=[plan.SerializeToString() for plan in plans],
+                        rank=r,
+                        world_size=world,
+                        store_host="127.0.0.1",
+                        store_port=port,
+                        result_dir=folder,
+                    ),
+                ),
                 name=f"octopipe-rank{r}",
             )
             for r in range(world)

@@ -117,9 +117,11 @@ class Records:
             ordered = sorted(self.nodes.values(), key=lambda n: n.registered_at)
             return [(n.node_id, n.address, n.alive) for n in ordered]
 
-    def addresses(self, node_ids: Iterable[str], *, alive_only: bool = False) -> list[str]:
-        """The addresses of the registered nodes among ``node_ids`` (call with the lock held)."""
-        return [self.nodes[n].address for n in node_ids if n in self.nodes and (self.nodes[n].alive or not alive_only)]
+    def addresses(self, node_ids: Iterable[str], *, alive_only: bool = False) -> dict[str, str]:
+        """node id -> address of the registered nodes among ``node_ids`` (call with the lock held)."""
+        return {
+            n: self.nodes[n].address for n in node_ids if n in self.nodes and (self.nodes[n].alive or not alive_only)
+        }
 
     def add_metrics(self, run_id: str, metrics: node_pb2.StepMetrics) -> None:
         with self.lock:

@@ -182,6 +182,9 @@ class RunScheduler:
             records.save(entry)
             addresses = {n: records.nodes[n].address for n in placement}
         error = self._pusher.push(entry.run, entry.submit, entry.plan, placement, addresses)
-        if error:
-            with records.lock:
+        with records.lock:
+            if error:
                 self.fail(entry, error)
+            elif entry.run.state in TERMINAL_STATES:  # cancelled while the pushes were in flight: a stop sent
+                # then may have reached a node before its push did, so stop every pushed node again
+                self._pusher.stop_async(entry.run.run_id, addresses, entry.run.error or "cancelled")
