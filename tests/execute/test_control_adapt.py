@@ -10,32 +10,18 @@ import pytest
 from octopipe.execute.control import LocalCluster
 from octopipe.execute.runtime import RunOptions, run_local
 from octopipe.execute.runtime.pipeline import profile_reference
-from octopipe.ir import Action, ActionKind, StageSpec, add_p2p_actions, build_plan
 from octopipe.node.v1 import node_pb2
 from octopipe.plan.v1 import plan_pb2
 from tests.execute.control_cluster import llama_plan
+from tests.tune.test_retune import sequential as sequential_plan
 
 pytestmark = pytest.mark.slow
 
 
 def sequential(plan: plan_pb2.Plan) -> plan_pb2.Plan:
     """The same stages run one micro-batch at a time through the whole pipe: correct, and slow."""
-    ranks, m = len(plan.ranks), plan.num_microbatches
-    compute: dict[int, list[Action]] = {r: [] for r in range(ranks)}
-    for mb in range(m):
-        for stage in range(ranks):
-            compute[stage].append(Action(ActionKind.FORWARD, stage, mb))
-        for stage in reversed(range(ranks)):
-            compute[stage].append(Action(ActionKind.FULL_BACKWARD, stage, mb))
-    placement = {s.stage_index: s.rank for s in plan.stages}
-    slow = build_plan(
-        stages=[StageSpec(rank=s.rank, layer_names=tuple(s.layer_names)) for s in plan.stages],
-        actions=add_p2p_actions(compute, placement),
-        num_microbatches=m,
-        name="sequential",
-        model=plan.model,
-        labels={"schedule": "sequential"},
-    )
+    slow = sequential_plan(len(plan.ranks), plan.num_microbatches, [list(s.layer_names) for s in plan.stages])
+    slow.model.CopyFrom(plan.model)
     return slow
 
 

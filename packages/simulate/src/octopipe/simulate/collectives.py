@@ -108,7 +108,7 @@ class GroupLinks:
             if cost.group not in kinds:
                 raise ValueError(f"{where}: set group to GROUP_KIND_DATA_PARALLEL or GROUP_KIND_EXPERT_PARALLEL")
             try:
-                link = Link(latency_us=cost.latency_us, bandwidth_bytes_per_second=cost.bandwidth_bytes_per_second)
+                link = Link.from_proto(cost)
             except ValueError as exc:
                 raise ValueError(f"{where}: {exc}") from None
             if cost.HasField("pipeline_rank") and cost.HasField("max_group_size"):

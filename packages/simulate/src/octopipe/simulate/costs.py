@@ -291,9 +291,7 @@ class CostModel:
         for message in profile.links:
             key = (message.source_rank, message.destination_rank)
             try:
-                links[key] = Link(
-                    latency_us=message.latency_us, bandwidth_bytes_per_second=message.bandwidth_bytes_per_second
-                )
+                links[key] = Link.from_proto(message)
             except ValueError as exc:
                 raise ValueError(f"profile link {key[0]}->{key[1]}: {exc}") from None
         by_names = {names: index for index, names in enumerate(stage_layers)}

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 __all__ = ["Link"]
+
+
+class _Measured(Protocol):
+    """A measured link or collective cost message."""
+
+    @property
+    def latency_us(self) -> float: ...
+
+    @property
+    def bandwidth_bytes_per_second(self) -> float: ...
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -23,6 +34,11 @@ class Link:
                 f"Link.bandwidth_bytes_per_second must be > 0 (math.inf for free transfers), "
                 f"got {self.bandwidth_bytes_per_second}"
             )
+
+    @classmethod
+    def from_proto(cls, cost: _Measured) -> Link:
+        """From a measured cost message (``profile.v1.LinkCost`` or ``CollectiveCost``): latency and bandwidth."""
+        return cls(latency_us=cost.latency_us, bandwidth_bytes_per_second=cost.bandwidth_bytes_per_second)
 
     def transfer_us(self, num_bytes: int) -> float:
         """Microseconds to move ``num_bytes`` over this link."""

@@ -24,8 +24,7 @@ def local_link(profile: profile_pb2.Profile) -> Link:
     and ``local_cost_model`` both take it from here, so a tuned plan is checked on the link it was tuned for."""
     if not profile.links:
         return LOCAL_GLOO_LINK
-    first = profile.links[0]
-    return Link(latency_us=first.latency_us, bandwidth_bytes_per_second=first.bandwidth_bytes_per_second)
+    return Link.from_proto(profile.links[0])
 
 
 def local_cost_model(plan: plan_pb2.Plan, profile: profile_pb2.Profile) -> CostModel:

@@ -156,12 +156,7 @@ class Evaluator:
         self.layers = Layers.from_profile(profile)
         self.num_ranks, self.m = num_ranks, num_microbatches
         self.caps = dict(memory_caps)
-        self.links = {
-            (link.source_rank, link.destination_rank): Link(
-                latency_us=link.latency_us, bandwidth_bytes_per_second=link.bandwidth_bytes_per_second
-            )
-            for link in profile.links
-        }
+        self.links = {(link.source_rank, link.destination_rank): Link.from_proto(link) for link in profile.links}
         self.default_link = default_link if default_link is not None else (None if self.links else Link())
         self.microbatch_size = max(1, profile.microbatch_size)
         # OVERLAP_F_B units cost F + B by default: overlapping hides communication, not compute
