@@ -78,8 +78,8 @@ class RunOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "cpus", tuple(self.cpus))  # a list given by a caller becomes a tuple
         problems = []
-        if self.steps < 1:
-            problems.append(f"steps must be >= 1, got {self.steps}")
+        if self.steps < 0:  # 0: nothing to run (a run resumed from its last step's checkpoint)
+            problems.append(f"steps must be >= 0, got {self.steps}")
         if self.timeout_s <= 0:
             problems.append(f"timeout_s must be > 0, got {self.timeout_s}")
         if any(c < 0 for c in self.cpus):
