@@ -431,12 +431,9 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
 
     def _abort_everywhere(self, run: _Run, reason: str) -> None:
         """Raise the run's abort flag in its rendezvous store, so ranks on every node leave their waits."""
-        if run.keeper is None:
-            return
-        try:
-            run.keeper.abort(reason, _KEEPER_WAIT_S)
-        except KeeperError as exc:  # the store's node may be gone: ranks then fail their own waits
-            self._log.warning("abort_flag_unreachable", run=run.run_id, error=str(exc))
+        if run.keeper is not None:
+            run.keeper.abort(reason)
+            self._log.info("abort_flag_requested", run=run.run_id, reason=reason)
 
     def _kill(self, run: _Run) -> None:
         deadline = time.monotonic() + self.config.stop_grace_s

@@ -67,9 +67,11 @@ class StoreKeeper:
         self._commands.put((command, payload))
         self._answer(timeout_s, what)
 
-    def abort(self, reason: str, timeout_s: float) -> None:
-        """Raise the run's abort flag (once: a flag already raised keeps its first reason)."""
-        self._ask("abort", reason, timeout_s, "raise the abort flag")
+    def abort(self, reason: str) -> None:
+        """Ask the keeper to raise the run's abort flag (once: a flag already raised keeps its first reason),
+        without waiting: the daemon goes on to stop its ranks while the keeper reaches the store (which may be
+        behind a cut link). The run ends either way; its ranks elsewhere also fail their own waits."""
+        self._commands.put(("abort", reason))
 
     def publish(self, switch: int, plan: bytes, timeout_s: float) -> None:
         """Offer a serialized plan as the run's ``switch``-th plan switch to adaptive ranks."""
