@@ -8,23 +8,24 @@ loads none of them; ``main`` and ``configure_logging`` load the CLI on first use
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from octopipe.execute.cli import main
     from octopipe.execute.logconfig import configure_logging
 
-try:
-    __version__ = version("octopipe-execute")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0.0.0+unknown"
-
 __all__ = ["__version__", "configure_logging", "main"]
 
 
 def __getattr__(name: str) -> Any:
-    """``main`` (the CLI) and ``configure_logging``, imported when first asked for."""
+    """``main`` (the CLI), ``configure_logging`` and ``__version__``, looked up when first asked for."""
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415 (48 ms at every start)
+
+        try:
+            return version("octopipe-execute")
+        except PackageNotFoundError:  # running from a source tree that is not installed
+            return "0.0.0+unknown"
     if name == "main":
         from octopipe.execute.cli import main  # noqa: PLC0415 (the CLI is loaded only when asked for)
 
