@@ -2,7 +2,7 @@
 
 Exit codes: 0 done, 2 bad usage or a refused request (the message says what to
 change), 3 the run ended failed or cancelled, 4 the coordinator could not be
-reached or a wait timed out.
+reached, 5 a ``--wait`` ran out (the run goes on).
 """
 
 from __future__ import annotations
@@ -22,10 +22,45 @@ from octopipe.ir import load_plan
 from octopipe.node.v1 import node_pb2
 from octopipe.tune import ScheduleRegistry
 
-__all__ = ["EXIT_RUN_FAILED", "EXIT_UNREACHABLE", "register"]
+__all__ = ["EXIT_RUN_FAILED", "EXIT_TIMED_OUT", "EXIT_UNREACHABLE", "register"]
 
 EXIT_RUN_FAILED = 3
 EXIT_UNREACHABLE = 4
+EXIT_TIMED_OUT = 5
+
+
+def _count(minimum: int) -> Any:
+    """An argparse type: an integer of at least ``minimum`` (the error names the flag)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
+    return value
+
+
+def _run_id(text: str) -> str:
+    from octopipe.execute.control.submission import run_id_problem  # noqa: PLC0415 (keeps --help fast)
+
+    problem = run_id_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def _certs_option(parser: argparse.ArgumentParser, identity: str, shown: str = "") -> None:
@@ -93,7 +128,7 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     node.add_argument("--node-id", required=True, help="this node's id; its certificate names it (node-ID.pem)")
     node.add_argument("--listen", default="127.0.0.1:0", help="host:port to serve on (port 0: any)")
     node.add_argument("--advertise", default="", help="the host others reach this node at (default: --listen host)")
-    node.add_argument("--slots", type=int, default=1, help="rank processes this node runs")
+    node.add_argument("--slots", type=_count(1), default=1, help="rank processes this node runs (default 1)")
     node.add_argument("--work-dir", type=Path, default=Path("octopipe-node"))
     node.add_argument("--allow-model-source", action="append", default=[], help="package.module:function")
     node.add_argument(
@@ -106,32 +141,42 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     submit = sub.add_parser("submit", help="submit a plan to a coordinator")
     submit.add_argument("plan", type=Path, help="plan file (.binpb, .json, .txt, .csv) naming its model")
     _client_options(submit)
-    submit.add_argument("--steps", type=int, default=3)
-    submit.add_argument("--run-id", default="")
-    submit.add_argument("--seed", type=int, default=0)
-    submit.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none)")
-    submit.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the run to end")
+    submit.add_argument("--steps", type=_count(1), default=3, help="optimizer steps (default 3)")
+    submit.add_argument(
+        "--run-id", type=_run_id, default="", help="a name for the run (default: the coordinator picks one)"
+    )
+    submit.add_argument("--seed", type=_count(0), default=0, help="the model's seed on every rank (default 0)")
+    submit.add_argument(
+        "--checkpoint-every", type=_count(0), default=0, help="steps between checkpoints (default 0: none)"
+    )
+    submit.add_argument(
+        "--wait", type=_seconds, default=0.0, help="wait up to this many seconds for the run to end (default 0)"
+    )
     submit.add_argument(
         "--adapt", type=Path, metavar="PROFILE", help="closed loop: re-tune from measured steps, starting from PROFILE"
     )
-    submit.add_argument("--adapt-after", type=int, default=0, help="steps to measure before re-tuning (default 3)")
+    submit.add_argument(
+        "--adapt-after", type=_count(0), default=0, help="steps to measure before re-tuning (default 0: 3 steps)"
+    )
     submit.set_defaults(handler=_submit)
 
     runs = sub.add_parser("runs", help="list a coordinator's runs (or show one)")
-    runs.add_argument("run_id", nargs="?")
+    runs.add_argument("run_id", nargs="?", type=_run_id, help="show this run (default: list every run)")
     _client_options(runs)
     runs.set_defaults(handler=_runs)
 
     cancel = sub.add_parser("cancel", help="stop a run on every node")
-    cancel.add_argument("run_id")
+    cancel.add_argument("run_id", type=_run_id, help="the run to stop")
     _client_options(cancel)
     cancel.set_defaults(handler=_cancel)
 
     resume = sub.add_parser("resume", help="restart a failed or cancelled run from its last checkpoint")
-    resume.add_argument("run_id")
+    resume.add_argument("run_id", type=_run_id, help="the failed or cancelled run to resume")
     _client_options(resume)
     resume.add_argument("--plan", type=Path, help="a re-tuned plan with the same layers (e.g. for fewer nodes)")
-    resume.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the run to end")
+    resume.add_argument(
+        "--wait", type=_seconds, default=0.0, help="wait up to this many seconds for the run to end (default 0)"
+    )
     resume.set_defaults(handler=_resume)
 
 
@@ -197,7 +242,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     )
     try:
         coordinator = Coordinator(config).start()
-    except FileNotFoundError as exc:  # a missing certificate: the message names the command that makes it
+    except OSError as exc:  # a missing certificate, an address in use, a state folder another coordinator holds
         _err(f"octopipe: error: {exc}")
         return 2
     _out(f"coordinator listening on {coordinator.address}")
@@ -226,7 +271,7 @@ def _node(args: argparse.Namespace) -> int:
     )
     try:
         daemon = NodeDaemon(config).start()
-    except FileNotFoundError as exc:  # a missing certificate: the message names the command that makes it
+    except OSError as exc:  # a missing certificate, an address in use
         _err(f"octopipe: error: {exc}")
         return 2
     _out(f"node {args.node_id} serving on {daemon.address}")
@@ -256,12 +301,18 @@ def _with_client(args: argparse.Namespace, action: Any) -> int:
     try:
         with ControlClient(args.coordinator, args.certs, args.identity) as client:
             return int(action(client))
+    except FileNotFoundError as exc:  # a missing certificate folder or file: the message names the fix
+        _err(f"octopipe: error: {exc}")
+        return 2
     except ControlError as exc:
         _err(f"octopipe: error: {exc}")
         return EXIT_UNREACHABLE if exc.code.name == "UNAVAILABLE" else 2
     except TimeoutError as exc:
-        _err(f"octopipe: error: {exc}: wait longer or check `octopipe runs`")
-        return EXIT_UNREACHABLE
+        _err(f"octopipe: error: {exc}: the run goes on; wait longer or check `octopipe runs`")
+        return EXIT_TIMED_OUT
+    except KeyboardInterrupt:
+        _err("octopipe: interrupted: the run goes on at the coordinator (`octopipe runs`, `octopipe cancel RUN`)")
+        return 130
 
 
 def _finish(client: Any, run_id: str, wait_s: float, as_json: bool) -> int:

@@ -7,6 +7,7 @@ Exit codes (every error is one line on stderr, ``octopipe: error: ...``, saying 
 - 2: bad arguments or unreadable input, including a plan the static verifier rejects;
 - 3: a run failed (a rank raised, died or timed out; the line names the rank, step and action);
 - 4: the coordinator could not be reached;
+- 5: a ``--wait`` ran out (the run goes on at the coordinator);
 - 130: interrupted (Ctrl-C).
 """
 
@@ -32,6 +33,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_RUN_FAILED",
+    "EXIT_TIMED_OUT",
     "EXIT_UNREACHABLE",
     "EXIT_USAGE",
     "main",
@@ -39,6 +41,7 @@ __all__ = [
 
 EXIT_RUN_FAILED = control.EXIT_RUN_FAILED
 EXIT_UNREACHABLE = control.EXIT_UNREACHABLE
+EXIT_TIMED_OUT = control.EXIT_TIMED_OUT
 
 #: every command module: ``register(sub, registry)`` adds its parser(s), each with ``handler=`` set.
 #: A new command is one module here.

@@ -69,15 +69,22 @@ def start_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="octopipe-grpc"),
         interceptors=[AuthInterceptor(allowed, claims)],
-        options=channel_options(),
+        # no SO_REUSEPORT: a second server on a port in use must fail, not share it at random
+        options=[*channel_options(), ("grpc.so_reuseport", 0)],
         maximum_concurrent_rpcs=max_workers * 4,
     )
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_secure_port(f"{host}:{port}", server_credentials(identity))
+    try:
+        bound = server.add_secure_port(f"{host}:{port}", server_credentials(identity))
+    except RuntimeError:  # grpc raises when the bind fails
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not listen on {host}:{port}: choose a free port or another address")
+        raise OSError(
+            f"could not listen on {host}:{port}: the address is in use (another coordinator or daemon?) or not "
+            "this machine's: choose a free port (port 0: any) or another address"
+        )
     server.start()
     for name in (*service_names, ""):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import os
+import re
 import shutil
 import threading
 import time
@@ -48,6 +49,7 @@ from octopipe.execute.control.security import (
     require_identity,
     secure_channel,
 )
+from octopipe.execute.control.submission import run_id_problem
 from octopipe.execute.processes import free_port
 from octopipe.execute.runs import WORKLOAD_SOURCE, RunOptions, WorkerConfig, same_layout
 from octopipe.ir import PlanError, mesh_spec
@@ -64,6 +66,10 @@ _ALLOWED = {
     for method in ("PushPlan", "StopRun", "GetNodeStatus", "WatchNodeStatus", "StreamNodeMetrics")
 }
 _MAX_METRICS = 20_000
+#: registration retries: the first wait, doubling up to the last
+_FIRST_BACKOFF_S = 0.2
+_MAX_BACKOFF_S = 5.0
+_NONCE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: how long the daemon waits for its store keeper to open the store or carry out a command
 _KEEPER_WAIT_S = 15.0
 
@@ -117,6 +123,8 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
     """Start with ``start()``; ``stop()`` stops every rank and the server."""
 
     def __init__(self, config: NodeConfig) -> None:
+        if config.slots < 1:
+            raise ValueError(f"a node needs at least 1 slot (--slots), got {config.slots}")
         self.config = config
         self._identity = CertPaths(config.certs, config.identity or node_identity(config.node_id))
         require_identity(self._identity, NODE, config.node_id)
@@ -130,6 +138,9 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
         self._log = structlog.get_logger("octopipe.node").bind(node=config.node_id)
         self._context = multiprocessing.get_context("spawn")
         self.last_contact = time.monotonic()
+        self.heartbeat_interval_s = 0.5
+        self._registered = False
+        self._backoff_s = _FIRST_BACKOFF_S
 
     # -- life cycle -------------------------------------------------------------------------------
     @property
@@ -151,7 +162,7 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
         )
         self._channel = secure_channel(self.config.coordinator, self._identity)
         self._coordinator = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
-        self._register()
+        self._try_register()  # until it takes, the heartbeat thread retries with backoff
         thread = threading.Thread(target=self._heartbeat_loop, name="octopipe-heartbeat", daemon=True)
         thread.start()
         self._threads.append(thread)
@@ -184,17 +195,45 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
         response = self._coordinator.RegisterNode(request, timeout=RPC_DEADLINE_S)
         self.heartbeat_interval_s = response.heartbeat_interval_ms / 1e3 or 0.5
         self.last_contact = time.monotonic()
+        self._registered = True
+
+    def _try_register(self) -> bool:
+        """Register; False (and a warning) when the coordinator cannot take it yet, which a later try may
+        change (not up, or another live daemon holds this id). A refusal no retry changes raises ValueError."""
+        try:
+            self._register()
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+            if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                raise ValueError(f"the coordinator refused node {self.config.node_id}: {details}") from None
+            hint = (
+                details
+                if code == grpc.StatusCode.ALREADY_EXISTS
+                else "unreachable (not started yet, or its certificate is not signed by this folder's CA)"
+            )
+            self._log.warning(
+                "registration_retry", coordinator=self.config.coordinator, reason=hint, retry_in_s=self._backoff_s
+            )
+            return False
+        self._log.info("node_registered", coordinator=self.config.coordinator)
+        return True
 
     def _heartbeat_loop(self) -> None:
-        while not self._stopping.wait(self.heartbeat_interval_s):
+        while not self._stopping.wait(self.heartbeat_interval_s if self._registered else self._backoff_s):
+            if not self._registered:
+                if not self._try_register():
+                    self._backoff_s = min(self._backoff_s * 2, _MAX_BACKOFF_S)
+                    continue
+                self._backoff_s = _FIRST_BACKOFF_S
             try:
                 response = self._coordinator.Heartbeat(
                     coordinator_pb2.HeartbeatRequest(node_id=self.config.node_id, status=self._status()),
                     timeout=max(self.heartbeat_interval_s, 1.0),
                 )
                 self.last_contact = time.monotonic()
-                if not response.known:
-                    self._register()
+                if not response.known:  # the coordinator restarted, or declared this node lost
+                    self._registered = False
+                    self._try_register()
             except grpc.RpcError as exc:
                 silent = time.monotonic() - self.last_contact
                 if silent > self.config.fence_after_s and self._active():
@@ -316,6 +355,10 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
             if request.version <= current.version:
                 return f"version {request.version} is not newer than the running version {current.version}"
             return f"run {current.run_id} is still running here: stop it before pushing version {request.version}"
+        if run_id_problem(request.run_id):
+            return run_id_problem(request.run_id)
+        if not _NONCE.fullmatch(request.nonce):  # it names the run's work folder too
+            return "a push's nonce must be 1-64 letters, digits, '_' or '-'"
         if not request.HasField("plan") or not request.HasField("assignment"):
             return "a push needs a plan and an assignment"
         try:

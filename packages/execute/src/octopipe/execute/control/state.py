@@ -7,14 +7,46 @@ pickles.
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
+from typing import IO
 
 import structlog
 
 from octopipe.coordinator.v1 import coordinator_pb2
 
-__all__ = ["StateStore"]
+__all__ = ["StateLock", "StateStore"]
+
+
+class StateLock:
+    """An exclusive lock on a coordinator's state folder (``<folder>/coordinator.lock``, holding the owner's pid),
+    so two live coordinators never share one; the kernel drops it when its process ends."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / "coordinator.lock"
+        handle = open(self.path, "a+")  # noqa: SIM115 (held open for the coordinator's life)
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            owner = handle.read().strip() or "unknown"
+            handle.close()
+            raise OSError(
+                f"state folder {folder} is held by another live coordinator (pid {owner}): stop it, or give this "
+                "one another --state-dir"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        self._handle: IO[str] | None = handle
+
+    def release(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.close()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -7,12 +7,30 @@ simulator's static verifier (deadlocks, missing inputs, unmatched sends).
 
 from __future__ import annotations
 
+import re
+
 from octopipe.coordinator.v1 import coordinator_pb2
 from octopipe.ir import PlanError, mesh_spec
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import VerificationError, verify_plan
 
-__all__ = ["MAX_ACTIONS", "MAX_MICROBATCHES", "MAX_RANKS", "adapt_problem", "check_plan"]
+__all__ = ["MAX_ACTIONS", "MAX_MICROBATCHES", "MAX_RANKS", "adapt_problem", "check_plan", "run_id_problem"]
+
+#: a run id names folders (the coordinator's state, a daemon's work folder): never a path
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+def run_id_problem(run_id: str) -> str:
+    """Why ``run_id`` cannot name a run ('' when it can): 1-63 letters, digits, '.', '_' or '-', starting with
+    a letter or a digit, so it is never a path outside the folders it names."""
+    if _RUN_ID.fullmatch(run_id):
+        return ""
+    shown = run_id if len(run_id) <= 80 else run_id[:77] + "..."
+    return (
+        f"run id {shown!r} is not allowed: use 1-63 letters, digits, '.', '_' or '-', starting with a letter or a "
+        "digit (or none: the coordinator picks one)"
+    )
+
 
 MAX_RANKS = 16_384
 MAX_MICROBATCHES = 65_536

@@ -45,14 +45,22 @@ class RunScheduler:
         self._closed_loop.check()
 
     # -- nodes ------------------------------------------------------------------------------------
-    def register(self, node_id: str, address: str, slots: int) -> None:
+    def register(self, node_id: str, address: str, slots: int) -> str:
+        """Record a node; refused ('' when taken) while another live daemon holds ``node_id`` elsewhere."""
         now = time.monotonic()
         with self._records.lock:
+            known = self._records.nodes.get(node_id)
+            if known is not None and known.alive and known.address != address:
+                return (
+                    f"node {node_id} is registered and alive at {known.address} (heard from "
+                    f"{now - known.last_seen:.1f} s ago): stop that daemon, or start this one with another node id"
+                )
             self._records.nodes[node_id] = NodeRecord(
                 node_id=node_id, address=address, slots=slots, registered_at=now, last_seen=now
             )
         self._records.log.info("node_registered", node=node_id, address=address, slots=slots)
         self._records.changed.notify()
+        return ""
 
     def heartbeat(self, node_id: str, status: node_pb2.NodeStatus) -> bool:
         """Fold a node's status into its run; False for a node the coordinator does not know (or declared dead)."""

@@ -26,7 +26,8 @@ from octopipe.execute.control.coordinator.records import CoordinatorConfig, Reco
 from octopipe.execute.control.coordinator.scheduler import RunScheduler
 from octopipe.execute.control.pushes import RunPusher
 from octopipe.execute.control.security import ADMIN, COORDINATOR, NODE, CertPaths, Claims, require_identity
-from octopipe.execute.control.submission import adapt_problem, check_plan
+from octopipe.execute.control.state import StateLock
+from octopipe.execute.control.submission import adapt_problem, check_plan, run_id_problem
 from octopipe.node.v1 import node_pb2
 
 __all__ = ["Coordinator"]
@@ -54,6 +55,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.config = config
         self._identity = CertPaths(config.certs, config.identity)
         require_identity(self._identity, COORDINATOR)
+        self._state_lock = StateLock(config.state_dir)  # one live coordinator per state folder
         self._records = Records(config.state_dir)
         self._pusher = RunPusher(self._identity, on_metrics=self._records.add_metrics)
         self._scheduler = RunScheduler(self._records, self._pusher, ClosedLoop(self._records, self._pusher), config)
@@ -68,7 +70,18 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return self._server.address
 
     def start(self) -> Coordinator:
-        self._server = start_server(
+        try:
+            self._server = self._start_server()
+        except BaseException:
+            self._state_lock.release()
+            raise
+        self._loop_thread = threading.Thread(target=self._loop, name="octopipe-coordinator", daemon=True)
+        self._loop_thread.start()
+        self._log.info("coordinator_started", address=self.address, state_dir=str(self.config.state_dir))
+        return self
+
+    def _start_server(self) -> Server:
+        return start_server(
             host=self.config.listen_host,
             port=self.config.listen_port,
             identity=self._identity,
@@ -77,10 +90,6 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
             allowed=_ALLOWED,
             claims=_CLAIMS,
         )
-        self._loop_thread = threading.Thread(target=self._loop, name="octopipe-coordinator", daemon=True)
-        self._loop_thread.start()
-        self._log.info("coordinator_started", address=self.address, state_dir=str(self.config.state_dir))
-        return self
 
     def stop(self) -> None:
         self._stopping.set()
@@ -88,6 +97,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if self._server is not None:
             self._server.stop()
         self._pusher.close()
+        self._state_lock.release()
 
     def wait(self) -> None:
         while not self._stopping.wait(1.0):
@@ -110,7 +120,9 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
     ) -> coordinator_pb2.RegisterNodeResponse:
         if not request.node_id or not request.address or not request.devices:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a node registers with its id, address and devices")
-        self._scheduler.register(request.node_id, request.address, len(request.devices))
+        refused = self._scheduler.register(request.node_id, request.address, len(request.devices))
+        if refused:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, refused)
         return coordinator_pb2.RegisterNodeResponse(heartbeat_interval_ms=int(self.config.heartbeat_interval_s * 1e3))
 
     def Heartbeat(
@@ -123,6 +135,8 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self, request: coordinator_pb2.SubmitPlanRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.SubmitPlanResponse:
         records = self._records
+        if request.run_id and run_id_problem(request.run_id):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, run_id_problem(request.run_id))
         with records.lock:
             existing = records.runs.get(request.run_id) if request.run_id else None
             if existing is not None:
@@ -134,7 +148,10 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
                         f"run {request.run_id} exists with another plan: choose a new run id",
                     )
                 return coordinator_pb2.SubmitPlanResponse(run_id=request.run_id, state=existing.run.state)
-        problem = check_plan(request.plan, num_steps=request.num_steps)
+        problem = run_id_problem(request.run_id) if request.run_id else ""
+        if not problem and request.num_steps < 1:
+            problem = "num_steps must be at least 1 (a run of no steps does nothing)"
+        problem = problem or check_plan(request.plan, num_steps=request.num_steps)
         if not problem and request.adapt:
             problem = adapt_problem(request)
         if problem:

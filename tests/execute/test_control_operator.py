@@ -1,0 +1,167 @@
+"""The control plane as an operator meets it: hostile names stay inside their folders, one coordinator per
+address and state folder, one live daemon per node id, daemons that wait for their coordinator, and
+one-line errors (never a traceback) for what an operator can get wrong. Real gRPC and TLS on loopback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from octopipe.execute.cli import EXIT_TIMED_OUT, EXIT_USAGE, main
+from octopipe.execute.control import (
+    ControlError,
+    Coordinator,
+    CoordinatorConfig,
+    LocalCluster,
+    NodeConfig,
+    NodeDaemon,
+    make_certs,
+)
+from octopipe.execute.control.security import CertPaths, secure_channel
+from octopipe.execute.control.submission import run_id_problem
+from octopipe.execute.processes import free_port
+from octopipe.ir import save_plan
+from octopipe.node.v1 import node_pb2, node_pb2_grpc
+from tests.execute.control_cluster import llama_plan
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    root = tmp_path_factory.mktemp("operator")
+    with LocalCluster(root) as up:
+        up.add_node("n0")
+        yield up
+
+
+def _files(root: Path) -> set[Path]:
+    return {p.resolve() for p in root.rglob("*")}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    run_id=st.one_of(
+        st.text(min_size=1, max_size=80),
+        st.sampled_from(["../../x", "..", ".", "/etc/x", "a/../../b", "a/b", "-x", "x" * 64, "ok-1.2_3"]),
+    )
+)
+def test_hostile_run_ids_are_refused_and_nothing_lands_outside_the_folders(cluster: LocalCluster, run_id: str) -> None:
+    outside = cluster.root.parent
+    before = {p for p in _files(outside) if cluster.root.resolve() not in p.parents}
+    with cluster.client() as client:
+        if run_id_problem(run_id):
+            with pytest.raises(ControlError) as caught:
+                client.submit(llama_plan(1, 2), steps=1, run_id=run_id)
+            assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "is not allowed: use 1-63 letters" in str(caught.value)
+            assert run_id not in {run.run_id for run in client.runs()}
+        else:
+            client.submit(llama_plan(1, 2), steps=1, run_id=run_id)
+            client.cancel(run_id)
+    after = {p for p in _files(outside) if cluster.root.resolve() not in p.parents}
+    assert after == before  # nothing written outside the cluster's state and work folders
+
+
+def test_a_daemon_refuses_a_push_whose_names_would_leave_its_work_folder(cluster: LocalCluster) -> None:
+    node = cluster.nodes[0]
+    stub = node_pb2_grpc.NodeServiceStub(secure_channel(node.address, CertPaths(cluster.certs, "coordinator")))
+    for run_id, nonce, says in (("../escape", "n1", "is not allowed"), ("fine", "../../n", "nonce must be")):
+        request = node_pb2.PushPlanRequest(
+            run_id=run_id, version=1, nonce=nonce, plan=llama_plan(1, 2), num_steps=1,
+            assignment=node_pb2.RankAssignment(ranks=[0], world_size=1, rendezvous_host="127.0.0.1"),
+        )  # fmt: skip
+        answer = stub.PushPlan(request, timeout=10)
+        assert not answer.accepted and says in answer.reason
+    assert not (cluster.root / "escape").exists() and not (cluster.root / "n").exists()
+
+
+def test_a_second_coordinator_on_an_address_or_state_folder_in_use_exits_with_one_line(
+    cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    port = cluster.coordinator.address.rsplit(":", 1)[1]
+    common = ["coordinator", "--certs", str(cluster.certs)]
+    assert main([*common, "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "other")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"could not listen on 127.0.0.1:{port}: the address is in use" in err
+    state = str(cluster.config.state_dir)
+    assert main([*common, "--listen", "127.0.0.1:0", "--state-dir", state]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is held by another live coordinator" in err
+    with cluster.client() as client:
+        client.runs()  # the first one still answers
+
+
+def test_a_second_live_daemon_with_a_nodes_id_is_refused(cluster: LocalCluster, tmp_path: Path) -> None:
+    first = cluster.coordinator.nodes()
+    twin = NodeDaemon(
+        NodeConfig(node_id="n0", coordinator=cluster.coordinator.address, certs=cluster.certs, work_dir=tmp_path)
+    ).start()
+    try:
+        time.sleep(1.5)  # it keeps retrying, refused each time while n0 is alive
+        assert cluster.coordinator.nodes() == first
+        assert not twin._registered
+    finally:
+        twin.stop()
+
+
+def test_a_daemon_started_before_its_coordinator_registers_when_it_comes_up(tmp_path: Path) -> None:
+    make_certs(tmp_path / "certs", nodes=["early"])
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    node = NodeDaemon(
+        NodeConfig(node_id="early", coordinator=address, certs=tmp_path / "certs", work_dir=tmp_path / "node")
+    ).start()
+    try:
+        time.sleep(1.0)
+        config = CoordinatorConfig(certs=tmp_path / "certs", listen_port=port, state_dir=tmp_path / "state")
+        coordinator = Coordinator(config).start()
+        started = time.monotonic()
+        try:
+            while not coordinator.nodes() and time.monotonic() - started < 15:
+                time.sleep(0.02)
+            assert [n[0] for n in coordinator.nodes()] == ["early"]
+        finally:
+            coordinator.stop()
+    finally:
+        node.stop()
+
+
+def test_operator_mistakes_get_one_line_and_no_traceback(
+    cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan_file = tmp_path / "plan.binpb"
+    save_plan(llama_plan(1, 2), plan_file)
+    client = ["--coordinator", cluster.coordinator.address, "--certs", str(cluster.certs)]
+    cases = [
+        (["submit", str(plan_file), *client, "--steps", "0"], "argument --steps: must be at least 1, got 0"),
+        (["submit", str(plan_file), *client, "--steps", "-1"], "argument --steps: must be at least 1, got -1"),
+        (["submit", str(plan_file), *client, "--run-id", "../../x"], "argument --run-id: run id '../../x'"),
+        (["runs", "--coordinator", cluster.coordinator.address, "--certs", str(tmp_path / "none")], "is missing"),
+        (["node", "--coordinator", "127.0.0.1:1", "--certs", str(cluster.certs), "--node-id", "n9", "--slots", "0"],
+         "argument --slots: must be at least 1, got 0"),
+        (["cancel", "a/b", *client], "argument run_id: run id 'a/b' is not allowed"),
+    ]  # fmt: skip
+    for argv, says in cases:
+        assert main(argv) == EXIT_USAGE, argv
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and err.count("\n") == 1, (argv, err)
+
+
+def test_a_wait_that_runs_out_has_its_own_exit_code(
+    cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = llama_plan(2, 4)  # two ranks: one node of one slot never fits it, so it stays queued
+    plan_file = tmp_path / "plan.binpb"
+    save_plan(plan, plan_file)
+    argv = ["submit", str(plan_file), "--coordinator", cluster.coordinator.address, "--certs", str(cluster.certs)]
+    assert main([*argv, "--run-id", "waits", "--wait", "0.5"]) == EXIT_TIMED_OUT
+    assert "the run goes on" in capsys.readouterr().err
+    with cluster.client() as client:
+        assert client.run("waits").state == node_pb2.RUN_STATE_QUEUED  # it went on (waiting for a second slot)
+        assert client.cancel("waits").state == node_pb2.RUN_STATE_CANCELLED
