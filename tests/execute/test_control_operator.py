@@ -5,6 +5,7 @@ one-line errors (never a traceback) for what an operator can get wrong. Real gRP
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +41,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield up
 
 
+def _printed(capsys: pytest.CaptureFixture[str], first: str) -> list[str]:
+    """What a command printed, from its line starting with ``first`` (log lines share stdout in-process)."""
+    lines = capsys.readouterr().out.splitlines()
+    return lines[next(i for i, line in enumerate(lines) if line.startswith(first)) :]
+
+
 def _files(root: Path) -> set[Path]:
     return {p.resolve() for p in root.rglob("*")}
 
@@ -61,8 +68,8 @@ def test_hostile_run_ids_are_refused_and_nothing_lands_outside_the_folders(clust
             assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
             assert "is not allowed: use 1-63 letters" in str(caught.value)
             assert run_id not in {run.run_id for run in client.runs()}
-        else:
-            client.submit(llama_plan(1, 2), steps=1, run_id=run_id)
+        else:  # two ranks on a one-slot cluster: it stays queued, so cancelling it leaves no node busy
+            client.submit(llama_plan(2, 4), steps=1, run_id=run_id)
             client.cancel(run_id)
     after = {p for p in _files(outside) if cluster.root.resolve() not in p.parents}
     assert after == before  # nothing written outside the cluster's state and work folders
@@ -165,3 +172,49 @@ def test_a_wait_that_runs_out_has_its_own_exit_code(
     with cluster.client() as client:
         assert client.run("waits").state == node_pb2.RUN_STATE_QUEUED  # it went on (waiting for a second slot)
         assert client.cancel("waits").state == node_pb2.RUN_STATE_CANCELLED
+
+
+def test_a_run_that_does_not_fit_says_why_and_does_not_hold_back_one_that_does(
+    cluster: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with cluster.client() as client:
+        big = client.submit(llama_plan(2, 4), steps=1, run_id="too-big")  # 2 ranks, 1 slot registered
+        small = client.submit(llama_plan(1, 2), steps=1, run_id="fits")
+        assert client.wait(small, timeout_s=120).state == node_pb2.RUN_STATE_DONE
+        deadline = time.monotonic() + 10  # the scheduler's next pass sees the slot idle again
+        while "1 idle" not in (waiting := client.run(big)).waiting_for and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert waiting.state == node_pb2.RUN_STATE_QUEUED
+        assert waiting.waiting_for.startswith("waiting for 2 slots: 1 registered on 1 live nodes, 1 idle")
+        address, certs = cluster.coordinator.address, str(cluster.certs)
+        assert main(["runs", "--coordinator", address, "--certs", certs]) == 0
+        table = _printed(capsys, "RUN ")
+        assert table[0].split()[:5] == ["RUN", "STATE", "VERSION", "STEPS", "CHECKPOINT"]
+        row = next(line for line in table if line.startswith("too-big"))
+        assert "queued" in row and "waiting for 2 slots" in row
+        assert main(["runs", "fits", "--json", "--coordinator", address, "--certs", certs]) == 0
+        data = json.loads(_printed(capsys, "{")[0])
+        assert (data["run_id"], data["state"], data["completed_steps"]) == ("fits", "done", 1)
+        assert main(["nodes", "--coordinator", address, "--certs", certs]) == 0
+        lines = _printed(capsys, "NODE ")
+        assert lines[0].split() == ["NODE", "ADDRESS", "SLOTS", "STATE", "HEARTBEAT", "RUN"]
+        fields = lines[1].split()
+        assert (fields[0], fields[2], fields[3]) == ("n0", "1", "alive")
+        client.cancel(big)
+
+
+def test_a_run_that_never_fits_fails_after_the_stated_time(tmp_path: Path) -> None:
+    with LocalCluster(tmp_path, never_fits_after_s=1.0) as small:
+        small.add_node("only")
+        with small.client() as client:
+            run_id = client.submit(llama_plan(2, 4), steps=1)
+            run = client.wait(run_id, timeout_s=30)
+        assert run.state == node_pb2.RUN_STATE_FAILED
+        assert "the run needs 2 slots but the live nodes have 1, for over 1 s" in run.error
+
+
+def test_runs_and_nodes_as_json_are_lists_even_when_empty(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with LocalCluster(tmp_path) as empty:
+        client = ["--coordinator", empty.coordinator.address, "--certs", str(empty.certs), "--json"]
+        assert main(["runs", *client]) == 0 and json.loads(_printed(capsys, "[")[0]) == []
+        assert main(["nodes", *client]) == 0 and json.loads(_printed(capsys, "[")[0]) == []

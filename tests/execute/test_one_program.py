@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import datetime
 import random
 import time
 
@@ -101,6 +102,7 @@ def test_an_order_nccl_cannot_run_is_refused_before_any_rank_starts() -> None:
 def _strict_channels(rank: int, world: int, swap: bool) -> None:
     """Rank 0 sends F0 then F1 to rank 1; rank 1 posts its receives in order, or swapped."""
     program = compile_plan(one_f_one_b(2, 2))
+    store = dist.distributed_c10d._get_default_store()
     forward = [t for t in range(program.num_transfers) if program.sender[t][0] == 0]
     assert len(forward) == 2
     channels = Channels(
@@ -119,8 +121,9 @@ def _strict_channels(rank: int, world: int, swap: bool) -> None:
             assert not swap, "a send completed although the peer posted the other receive first"
         except CommTimeout:
             assert swap
-            # stay until rank 1's own deadline has passed: leaving would close the connection it waits on
-            time.sleep(6)
+        # stay until rank 1 is done (its own deadline passed): leaving would close the connection it waits on,
+        # and under load rank 1 may start waiting seconds after this rank did
+        store.wait(["rank 1 done"], datetime.timedelta(seconds=60))
         return
     order = forward[::-1] if swap else forward
     buffers = {t: channels.post_recv(t) for t in order}
@@ -131,6 +134,8 @@ def _strict_channels(rank: int, world: int, swap: bool) -> None:
         assert all(torch.equal(buffers[t], torch.full((4,), float(t))) for t in order)
     except CommTimeout:
         assert swap
+    finally:
+        store.set("rank 1 done", "1")
 
 
 @pytest.mark.parametrize("swap", [False, True], ids=["in-order", "swapped"])

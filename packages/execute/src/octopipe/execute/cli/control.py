@@ -1,4 +1,4 @@
-"""``octopipe certs | coordinator | node | submit | runs | cancel | resume``: the control plane's commands.
+"""``octopipe certs | coordinator | node | submit | runs | nodes | cancel | resume``: the control plane's commands.
 
 Exit codes: 0 done, 2 bad usage or a refused request (the message says what to
 change), 3 the run ended failed or cancelled, 4 the coordinator could not be
@@ -57,7 +57,7 @@ def _seconds(text: str) -> float:
 def _run_id(text: str) -> str:
     from octopipe.execute.control.submission import run_id_problem  # noqa: PLC0415 (keeps --help fast)
 
-    problem = run_id_problem(text)
+    problem = run_id_problem(text) if text else ""  # "" (the default): the coordinator picks one
     if problem:
         raise argparse.ArgumentTypeError(problem)
     return text
@@ -164,6 +164,10 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     runs.add_argument("run_id", nargs="?", type=_run_id, help="show this run (default: list every run)")
     _client_options(runs)
     runs.set_defaults(handler=_runs)
+
+    nodes = sub.add_parser("nodes", help="list the coordinator's nodes: slots, liveness, heartbeat age, run")
+    _client_options(nodes)
+    nodes.set_defaults(handler=_nodes)
 
     cancel = sub.add_parser("cancel", help="stop a run on every node")
     cancel.add_argument("run_id", type=_run_id, help="the run to stop")
@@ -279,20 +283,47 @@ def _node(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_run(run: Any, as_json: bool) -> None:
+def _run_dict(run: Any) -> dict[str, Any]:
+    """A run as JSON: proto field names, the state as the table shows it (``done``, not ``RUN_STATE_DONE``)."""
     from octopipe.execute.control.common import state_name  # noqa: PLC0415 - keeps `octopipe --help` fast
 
-    if as_json:
-        _out(json.dumps(json_format.MessageToDict(run, preserving_proto_field_name=True)))
-        return
-    line = f"{run.run_id}  {state_name(run.state)}  version {run.plan_version}  steps {run.completed_steps}/{run.num_steps}"
-    if run.last_checkpoint_step:
-        line += f"  checkpoint {run.last_checkpoint_step}"
-    if run.error:
-        line += f"  error: {run.error}"
+    data = json_format.MessageToDict(run, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    data["state"] = state_name(run.state)
+    return data
+
+
+_RUN_HEADER = f"{'RUN':<16} {'STATE':<10} {'VERSION':>7} {'STEPS':>11} {'CHECKPOINT':>10}  NOTE"
+
+
+def _run_row(run: Any) -> str:
+    from octopipe.execute.control.common import state_name  # noqa: PLC0415 - keeps `octopipe --help` fast
+
+    note = run.error or run.waiting_for or ""
     if run.adapt_report:
-        line += f"  adapt: {run.adapt_report}"
-    _out(line)
+        note = f"{note}  adapt: {run.adapt_report}".strip()
+    steps = f"{run.completed_steps}/{run.num_steps}"
+    checkpoint = str(run.last_checkpoint_step) if run.last_checkpoint_step else "-"
+    return f"{run.run_id:<16} {state_name(run.state):<10} {run.plan_version:>7} {steps:>11} {checkpoint:>10}  {note}"
+
+
+def _print_run(run: Any, as_json: bool) -> None:
+    if as_json:
+        _out(json.dumps(_run_dict(run)))
+        return
+    _out(_RUN_HEADER)
+    _out(_run_row(run))
+
+
+def _print_runs(runs: list[Any], as_json: bool) -> None:
+    if as_json:
+        _out(json.dumps([_run_dict(run) for run in runs]))
+        return
+    if not runs:
+        _out("no runs")
+        return
+    _out(_RUN_HEADER)
+    for run in runs:
+        _out(_run_row(run))
 
 
 def _with_client(args: argparse.Namespace, action: Any) -> int:
@@ -346,8 +377,40 @@ def _submit(args: argparse.Namespace) -> int:
 
 def _runs(args: argparse.Namespace) -> int:
     def action(client: Any) -> int:
-        for run in [client.run(args.run_id)] if args.run_id else client.runs():
-            _print_run(run, args.json)
+        if args.run_id:
+            _print_run(client.run(args.run_id), args.json)
+        else:
+            _print_runs(client.runs(), args.json)
+        return 0
+
+    return _with_client(args, action)
+
+
+def _nodes(args: argparse.Namespace) -> int:
+    def action(client: Any) -> int:
+        nodes = client.nodes()
+        if args.json:
+            _out(
+                json.dumps(
+                    [
+                        json_format.MessageToDict(
+                            n, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+                        )
+                        for n in nodes
+                    ]
+                )
+            )
+            return 0
+        if not nodes:
+            _out("no nodes registered")
+            return 0
+        _out(f"{'NODE':<16} {'ADDRESS':<22} {'SLOTS':>5} {'STATE':<6} {'HEARTBEAT':>9}  RUN")
+        for n in nodes:
+            state = "alive" if n.alive else "lost"
+            _out(
+                f"{n.node_id:<16} {n.address:<22} {n.slots:>5} {state:<6} {n.heartbeat_age_seconds:>8.1f}s  "
+                f"{n.run_id or '-'}"
+            )
         return 0
 
     return _with_client(args, action)

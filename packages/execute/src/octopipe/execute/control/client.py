@@ -91,6 +91,13 @@ class ControlClient:
         except grpc.RpcError as exc:
             raise _explain(exc, self.target) from None
 
+    def nodes(self) -> list[coordinator_pb2.NodeInfo]:
+        """The registered nodes: slots, liveness, heartbeat age and the run each holds."""
+        try:
+            return list(self._stub.ListNodes(coordinator_pb2.ListNodesRequest(), timeout=RPC_DEADLINE_S).nodes)
+        except grpc.RpcError as exc:
+            raise _explain(exc, self.target) from None
+
     def cancel(self, run_id: str, reason: str = "") -> coordinator_pb2.Run:
         try:
             request = coordinator_pb2.CancelRunRequest(run_id=run_id, reason=reason)

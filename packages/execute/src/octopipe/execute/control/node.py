@@ -349,16 +349,16 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
         return answer()
 
     def _refusal(self, request: node_pb2.PushPlanRequest, current: _Run | None) -> str:
+        if run_id_problem(request.run_id):
+            return run_id_problem(request.run_id)
+        if not _NONCE.fullmatch(request.nonce):  # it names the run's work folder too
+            return "a push's nonce must be 1-64 letters, digits, '_' or '-'"
         if current is not None and current.state not in TERMINAL_STATES:
             if current.run_id != request.run_id:
                 return f"node {self.config.node_id} is busy with run {current.run_id}: stop it first"
             if request.version <= current.version:
                 return f"version {request.version} is not newer than the running version {current.version}"
             return f"run {current.run_id} is still running here: stop it before pushing version {request.version}"
-        if run_id_problem(request.run_id):
-            return run_id_problem(request.run_id)
-        if not _NONCE.fullmatch(request.nonce):  # it names the run's work folder too
-            return "a push's nonce must be 1-64 letters, digits, '_' or '-'"
         if not request.HasField("plan") or not request.HasField("assignment"):
             return "a push needs a plan and an assignment"
         try:

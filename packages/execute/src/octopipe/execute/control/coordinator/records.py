@@ -40,6 +40,8 @@ class CoordinatorConfig:
     heartbeat_timeout_s: float = 2.0
     #: a run restored after a restart fails if none of its nodes reports it within this time
     recover_after_s: float = 10.0
+    #: a queued run that needs more slots than the live nodes have fails after this long
+    never_fits_after_s: float = 600.0
 
 
 @dataclass
@@ -68,6 +70,8 @@ class RunRecord:
     #: closed loop: "" (not yet), "busy" (re-tuning), "done"
     adapt_phase: str = ""
     done_seen_at: float = 0.0
+    #: since when the run has needed more slots than the live nodes have (None: it would fit)
+    unfit_since: float | None = None
 
 
 class Records:

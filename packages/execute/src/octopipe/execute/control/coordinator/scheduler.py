@@ -160,28 +160,34 @@ class RunScheduler:
             return entry.run
 
     def _start_queued(self) -> None:
+        """Start the oldest queued run that fits the idle nodes; a run that does not fit waits (its
+        ``waiting_for`` says for what) without holding back the runs behind it, and fails once it has not fit
+        even the registered nodes for ``never_fits_after_s``."""
         records = self._records
+        now = time.monotonic()
         with records.lock:
-            queued = [e for e in records.runs.values() if e.run.state == node_pb2.RUN_STATE_QUEUED]
+            queued = sorted(
+                (e for e in records.runs.values() if e.run.state == node_pb2.RUN_STATE_QUEUED),
+                key=lambda e: e.run.submitted_at.ToNanoseconds(),
+            )
             if not queued:
                 return
-            entry = min(queued, key=lambda e: e.run.submitted_at.ToNanoseconds())
-            world = mesh_spec(entry.plan).world_size
             busy = {n for e in records.runs.values() if e.run.state not in TERMINAL_STATES for n in e.placement}
-            idle = sorted(
-                (n for n in records.nodes.values() if n.alive and n.node_id not in busy),
-                key=lambda n: n.registered_at,
-            )
-            placement: dict[str, list[int]] = {}
-            next_rank = 0
-            for node in idle:
-                if next_rank == world:
+            alive = sorted((n for n in records.nodes.values() if n.alive), key=lambda n: n.registered_at)
+            idle = [n for n in alive if n.node_id not in busy]
+            chosen: tuple[RunRecord, dict[str, list[int]]] | None = None
+            for entry in queued:
+                world = mesh_spec(entry.plan).world_size
+                placement = _place(world, idle)
+                if placement is not None:
+                    chosen = (entry, placement)
                     break
-                take = min(node.slots, world - next_rank)
-                placement[node.node_id] = list(range(next_rank, next_rank + take))
-                next_rank += take
-            if next_rank < world:
+                self._wait(entry, world, alive, idle, now)
+            if chosen is None:
                 return
+            entry, placement = chosen
+            entry.unfit_since = None
+            entry.run.waiting_for = ""
             entry.placement = placement
             entry.run.ClearField("rank_nodes")
             for node_id, ranks in placement.items():
@@ -196,3 +202,39 @@ class RunScheduler:
             elif entry.run.state in TERMINAL_STATES:  # cancelled while the pushes were in flight: a stop sent
                 # then may have reached a node before its push did, so stop every pushed node again
                 self._pusher.stop_async(entry.run.run_id, addresses, entry.run.error or "cancelled")
+
+    def _wait(self, entry: RunRecord, world: int, alive: list[NodeRecord], idle: list[NodeRecord], now: float) -> None:
+        """Say why ``entry`` waits; fail it once even every registered slot has been too few for too long
+        (called with the lock held)."""
+        registered, free = sum(n.slots for n in alive), sum(n.slots for n in idle)
+        reason = f"waiting for {world} slots: {registered} registered on {len(alive)} live nodes, {free} idle"
+        if registered < world:
+            entry.unfit_since = entry.unfit_since if entry.unfit_since is not None else now
+            limit = self._config.never_fits_after_s
+            if now - entry.unfit_since > limit:
+                entry.unfit_since = None
+                self.fail(
+                    entry,
+                    f"the run needs {world} slots but the live nodes have {registered}, for over {limit:g} s: add "
+                    "nodes (or slots) and submit it again, or submit a plan for fewer ranks",
+                )
+                return
+            reason += f"; the run fails if it does not fit the live nodes for {limit:g} s"
+        else:
+            entry.unfit_since = None
+        if entry.run.waiting_for != reason:
+            entry.run.waiting_for = reason
+            self._records.save(entry)
+
+
+def _place(world: int, idle: list[NodeRecord]) -> dict[str, list[int]] | None:
+    """Ranks 0..world-1 on the idle nodes in registration order (whole nodes), or None if they do not fit."""
+    placement: dict[str, list[int]] = {}
+    next_rank = 0
+    for node in idle:
+        if next_rank == world:
+            break
+        take = min(node.slots, world - next_rank)
+        placement[node.node_id] = list(range(next_rank, next_rank + take))
+        next_rank += take
+    return placement if next_rank == world else None

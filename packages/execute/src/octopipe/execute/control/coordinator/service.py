@@ -13,6 +13,7 @@ last checkpoint.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -37,7 +38,16 @@ _ADMIN = frozenset({ADMIN})
 _NODE = frozenset({NODE})
 _ALLOWED = {f"/{_SERVICE}/{m}": _NODE for m in ("RegisterNode", "Heartbeat")} | {
     f"/{_SERVICE}/{m}": _ADMIN
-    for m in ("SubmitPlan", "GetRun", "ListRuns", "CancelRun", "WatchRun", "StreamRunMetrics", "ResumeRun")
+    for m in (
+        "SubmitPlan",
+        "GetRun",
+        "ListRuns",
+        "CancelRun",
+        "WatchRun",
+        "StreamRunMetrics",
+        "ResumeRun",
+        "ListNodes",
+    )
 }
 #: a node registers and heartbeats only as the node its certificate names (its common name)
 _CLAIMS: Claims = {
@@ -261,6 +271,30 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
             if done:
                 return
             seen = self._records.changed.wait(seen, 1.0)
+
+    def ListNodes(
+        self, request: coordinator_pb2.ListNodesRequest, context: grpc.ServicerContext
+    ) -> coordinator_pb2.ListNodesResponse:
+        records, now = self._records, time.monotonic()
+        with records.lock:
+            holding = {
+                n: e.run.run_id
+                for e in records.runs.values()
+                if e.run.state not in TERMINAL_STATES
+                for n in e.placement
+            }
+            nodes = [
+                coordinator_pb2.NodeInfo(
+                    node_id=n.node_id,
+                    address=n.address,
+                    slots=n.slots,
+                    alive=n.alive,
+                    heartbeat_age_seconds=now - n.last_seen,
+                    run_id=holding.get(n.node_id, ""),
+                )
+                for n in sorted(records.nodes.values(), key=lambda n: n.registered_at)
+            ]
+        return coordinator_pb2.ListNodesResponse(nodes=nodes)
 
     def add_metrics(self, run_id: str, metrics: node_pb2.StepMetrics) -> None:
         """Record one step's metrics of a run (the pusher's metric streams call this)."""
