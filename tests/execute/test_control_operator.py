@@ -218,3 +218,23 @@ def test_runs_and_nodes_as_json_are_lists_even_when_empty(tmp_path: Path, capsys
         client = ["--coordinator", empty.coordinator.address, "--certs", str(empty.certs), "--json"]
         assert main(["runs", *client]) == 0 and json.loads(_printed(capsys, "[")[0]) == []
         assert main(["nodes", *client]) == 0 and json.loads(_printed(capsys, "[")[0]) == []
+
+
+def test_a_nodes_copied_folder_holds_no_ca_key_and_a_ca_is_not_overwritten(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    certs = tmp_path / "certs"
+    assert main(["certs", "make", str(certs), "--nodes", "a", "b"]) == 0
+    assert not list(certs.glob("ca.key")) and (tmp_path / "certs-ca-key" / "ca.key").is_file()
+    assert main(["certs", "copy", str(certs), "node-a", str(tmp_path / "for-a")]) == 0
+    assert sorted(p.name for p in (tmp_path / "for-a").iterdir()) == ["ca.pem", "node-a.key", "node-a.pem"]
+    capsys.readouterr()
+    assert main(["certs", "make", str(certs)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already has a CA" in err and "--force" in err
+    assert main(["certs", "node", str(certs), "c"]) == 0  # signed with the key kept beside the folder
+    assert main(["certs", "show", str(certs)]) == 0
+    shown = _printed(capsys, "IDENTITY")
+    assert [line.split()[0] for line in shown[1:]] == ["admin", "coordinator", "node-a", "node-b", "node-c"]
+    assert all("UTC (in 29 days)" in line or "UTC (in 30 days)" in line for line in shown[1:])
+    assert main(["certs", "make", str(certs), "--force"]) == 0

@@ -101,6 +101,15 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     make.add_argument(
         "--nodes", nargs="+", default=[], metavar="ID", help="node ids to write certificates for (a b, or a,b)"
     )
+    make.add_argument(
+        "--ca-key-dir",
+        type=Path,
+        help="where the CA's private key goes (default: DIR-ca-key beside DIR); keep it "
+        "with the operator, off every node",
+    )
+    make.add_argument(
+        "--force", action="store_true", help="replace a CA DIR already has (its certificates stop working)"
+    )
     make.set_defaults(handler=_certs_make)
     add = certs_sub.add_parser(
         "node",
@@ -112,7 +121,21 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     add.add_argument(
         "--hosts", nargs="+", default=["127.0.0.1", "localhost"], help="addresses the node's daemon is reached at"
     )
+    add.add_argument("--ca-key-dir", type=Path, help="the folder holding the CA's key (default: DIR-ca-key)")
     add.set_defaults(handler=_certs_node)
+    copy = certs_sub.add_parser(
+        "copy",
+        help="copy one identity's files (ca.pem, NAME.pem, NAME.key) into OUT, for the machine that uses it",
+        description="Write OUT/ca.pem, OUT/NAME.pem and OUT/NAME.key: what one machine needs, and nothing else "
+        "(no CA key, no other identity's key).",
+    )
+    copy.add_argument("folder", type=Path)
+    copy.add_argument("identity", help="coordinator, admin or node-ID")
+    copy.add_argument("out", type=Path)
+    copy.set_defaults(handler=_certs_copy)
+    show = certs_sub.add_parser("show", help="list DIR's certificates: role, name, expiry")
+    show.add_argument("folder", type=Path)
+    show.set_defaults(handler=_certs_show)
 
     coordinator = sub.add_parser("coordinator", help="run the coordinator (gRPC, mutual TLS)")
     coordinator.add_argument("--listen", default="127.0.0.1:50051", help="host:port to serve on (port 0: any)")
@@ -210,12 +233,21 @@ def _serve_until_signal(stop: Any) -> None:
 
 
 def _certs_make(args: argparse.Namespace) -> int:
-    from octopipe.execute.control.security import make_certs  # noqa: PLC0415
+    from octopipe.execute.control.security import ca_key_folder, make_certs  # noqa: PLC0415
 
-    paths = make_certs(args.folder, hosts=args.hosts, nodes=_node_names(args.nodes))
+    key_dir = args.ca_key_dir or ca_key_folder(args.folder)
+    try:
+        paths = make_certs(
+            args.folder, hosts=args.hosts, nodes=_node_names(args.nodes), ca_key_dir=key_dir, force=args.force
+        )
+    except FileExistsError as exc:
+        _err(f"octopipe: error: {exc}")
+        return 2
     _out(f"wrote a CA and certificates {sorted(paths)} for {args.hosts} into {args.folder}")
+    _out(f"the CA's private key is in {key_dir}: keep it with you, off every node")
     if not args.nodes:
         _out(f"no node certificates yet: add them with `octopipe certs node {args.folder} ID ...` (or --nodes)")
+    _out(f"give each machine only its own files: `octopipe certs copy {args.folder} node-ID OUT`")
     return 0
 
 
@@ -223,11 +255,43 @@ def _certs_node(args: argparse.Namespace) -> int:
     from octopipe.execute.control.security import add_node_certs  # noqa: PLC0415
 
     try:
-        paths = add_node_certs(args.folder, _node_names(args.node_ids), hosts=args.hosts)
+        paths = add_node_certs(args.folder, _node_names(args.node_ids), hosts=args.hosts, ca_key_dir=args.ca_key_dir)
     except FileNotFoundError as exc:
         _err(f"octopipe: error: {exc}")
         return 2
     _out(f"wrote certificates {sorted(paths)} for {args.hosts} into {args.folder}, signed by its CA")
+    return 0
+
+
+def _certs_copy(args: argparse.Namespace) -> int:
+    from octopipe.execute.control.security import copy_identity  # noqa: PLC0415
+
+    try:
+        written = copy_identity(args.folder, args.identity, args.out)
+    except FileNotFoundError as exc:
+        _err(f"octopipe: error: {exc}")
+        return 2
+    _out(f"wrote {', '.join(p.name for p in written)} into {args.out}")
+    return 0
+
+
+def _certs_show(args: argparse.Namespace) -> int:
+    import datetime  # noqa: PLC0415
+
+    from octopipe.execute.control.security import describe_certs  # noqa: PLC0415
+
+    now = datetime.datetime.now(datetime.UTC)
+    found = describe_certs(args.folder)
+    if not found:
+        _err(
+            f"octopipe: error: {args.folder} holds no certificates: make them with `octopipe certs make {args.folder}`"
+        )
+        return 2
+    _out(f"{'IDENTITY':<20} {'ROLE':<12} {'NAME':<16} EXPIRES")
+    for identity, role, name, expires in found:
+        left = expires - now
+        note = "EXPIRED" if left.total_seconds() <= 0 else f"in {left.days} days"
+        _out(f"{identity:<20} {role or '-':<12} {name or '-':<16} {expires:%Y-%m-%d %H:%M} UTC ({note})")
     return 0
 
 

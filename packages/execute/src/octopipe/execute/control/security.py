@@ -47,7 +47,10 @@ __all__ = [
     "CertPaths",
     "Claims",
     "add_node_certs",
+    "ca_key_folder",
     "channel_options",
+    "copy_identity",
+    "describe_certs",
     "make_certs",
     "node_identity",
     "node_server_name",
@@ -121,8 +124,44 @@ def node_identity(node_id: str) -> str:
     return _NODE_PREFIX + node_id
 
 
+def copy_identity(folder: Path, identity: str, out: Path) -> list[Path]:
+    """Copy what one machine needs into ``out``: the CA certificate and ``identity``'s certificate and key (never
+    the CA's key, never another identity's key). Returns the files written."""
+    source = CertPaths(folder, identity)
+    source.read()  # a missing file is named with the command that makes it
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path in (source.ca, source.cert, source.key):
+        target = out / path.name
+        target.write_bytes(path.read_bytes())
+        if path == source.key:
+            target.chmod(0o600)
+        written.append(target)
+    return written
+
+
+def describe_certs(folder: Path) -> list[tuple[str, str | None, str | None, datetime.datetime]]:
+    """(identity, role, name, expiry) of every certificate in ``folder`` but the CA's, by identity."""
+    found = []
+    for pem in sorted(folder.glob("*.pem")):
+        if pem.stem == _CA:
+            continue
+        cert = x509.load_pem_x509_certificate(pem.read_bytes())
+        role, name = _subject(cert)
+        found.append((pem.stem, role, name, cert.not_valid_after_utc))
+    return found
+
+
 def require_identity(identity: CertPaths, role: str, name: str | None = None) -> None:
-    """Raise ValueError unless ``identity``'s certificate has ``role`` (and, given, common name ``name``)."""
+    """Raise ValueError unless ``identity``'s certificate has ``role`` (and, given, common name ``name``) and
+    has not expired."""
+    _, cert_pem, _ = identity.read()
+    expires = x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc
+    if expires <= datetime.datetime.now(datetime.UTC):
+        raise ValueError(
+            f"{identity.cert} expired on {expires:%Y-%m-%d %H:%M} UTC: make new certificates (`octopipe certs make "
+            f"{identity.folder} --force`, or `octopipe certs node` for a node)"
+        )
     has_role, has_name = identity.subject()
     if has_role == role and (name is None or has_name == name):
         return
@@ -175,23 +214,40 @@ def _san(hosts: Iterable[str]) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(names)
 
 
+def ca_key_folder(folder: Path) -> Path:
+    """Where the CA's private key of certificate folder ``folder`` goes by default: a folder of its own beside
+    it (``<folder>-ca-key``), so that copying ``folder`` (or a node's part of it) never copies the key."""
+    return folder.parent / f"{folder.name}-ca-key"
+
+
 def make_certs(
     folder: Path,
     *,
     hosts: Sequence[str] = ("127.0.0.1", "localhost"),
     nodes: Sequence[str] = (),
     ca_name: str = "octopipe test CA",
+    ca_key_dir: Path | None = None,
+    force: bool = False,
 ) -> dict[str, CertPaths]:
     """Write a new CA and the certificates of a cluster into ``folder``; returns the paths by identity.
 
     ``coordinator`` (role coordinator), ``admin`` (role admin) and, for each
     of ``nodes``, ``node-<id>`` (role node, common name the node id). Every
     certificate is valid for ``hosts`` (IP addresses or DNS names) as a server
-    and as a client. The CA's key stays in the folder (``ca.key``) so that
-    :func:`add_node_certs` can add nodes later: keep it off the nodes.
+    and as a client. The CA's private key goes to ``ca_key_dir`` (default
+    :func:`ca_key_folder`), never into ``folder``: it stays with the operator,
+    for :func:`add_node_certs`. A folder that already holds a CA is refused
+    unless ``force`` (a new CA invalidates every certificate the old one signed).
     """
     identities = [node_identity(node) for node in nodes]  # refuse a bad node id before writing anything
+    key_dir = ca_key_dir or ca_key_folder(folder)
+    if not force and ((folder / f"{_CA}.pem").exists() or (key_dir / f"{_CA}.key").exists()):
+        raise FileExistsError(
+            f"{folder} already has a CA: a new one would invalidate every certificate it signed. Add nodes with "
+            f"`octopipe certs node {folder} ID`, or replace the CA with --force"
+        )
     folder.mkdir(parents=True, exist_ok=True)
+    key_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ca_name)])
@@ -207,7 +263,8 @@ def make_certs(
         .sign(ca_key, hashes.SHA256())
     )
     (folder / f"{_CA}.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    _write_key(folder / f"{_CA}.key", ca_key)
+    _write_key(key_dir / f"{_CA}.key", ca_key)
+    (folder / f"{_CA}.key").unlink(missing_ok=True)  # an older layout kept it here
     paths = {
         COORDINATOR: _issue(folder, ca_cert, ca_key, COORDINATOR, COORDINATOR, COORDINATOR, hosts),
         ADMIN: _issue(folder, ca_cert, ca_key, ADMIN, ADMIN, ADMIN, hosts),
@@ -218,18 +275,24 @@ def make_certs(
 
 
 def add_node_certs(
-    folder: Path, nodes: Sequence[str], *, hosts: Sequence[str] = ("127.0.0.1", "localhost")
+    folder: Path,
+    nodes: Sequence[str],
+    *,
+    hosts: Sequence[str] = ("127.0.0.1", "localhost"),
+    ca_key_dir: Path | None = None,
 ) -> dict[str, CertPaths]:
-    """Write ``node-<id>`` certificates (role node, common name the id), signed by the CA in ``folder``.
+    """Write ``node-<id>`` certificates (role node, common name the id), signed by the CA of ``folder`` (its
+    key in ``ca_key_dir``, default :func:`ca_key_folder`).
 
     An existing certificate of the same node is replaced. ``hosts`` are the
     addresses the node's daemon is reached at.
     """
     identities = [node_identity(node) for node in nodes]
-    ca_pem, ca_key_path = folder / f"{_CA}.pem", folder / f"{_CA}.key"
+    ca_pem, ca_key_path = folder / f"{_CA}.pem", (ca_key_dir or ca_key_folder(folder)) / f"{_CA}.key"
     if not ca_pem.is_file() or not ca_key_path.is_file():
         raise FileNotFoundError(
-            f"{folder} has no CA ({ca_pem.name} and {ca_key_path.name}): make one with `octopipe certs make {folder}`"
+            f"no CA to sign with ({ca_pem} and {ca_key_path}): make one with `octopipe certs make {folder}`, or "
+            "point --ca-key-dir at the folder holding its ca.key"
         )
     ca_cert = x509.load_pem_x509_certificate(ca_pem.read_bytes())
     ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
