@@ -26,8 +26,11 @@ from octopipe.execute.control import (
     make_certs,
 )
 from octopipe.execute.control.security import CertPaths, secure_channel
+from octopipe.execute.control.state import StateStore
 from octopipe.execute.control.submission import run_id_problem
 from octopipe.execute.processes import free_port
+from octopipe.execute.runs import RunOptions
+from octopipe.execute.runtime import run_local
 from octopipe.ir import save_plan
 from octopipe.node.v1 import node_pb2, node_pb2_grpc
 from tests.execute.control_cluster import llama_plan
@@ -238,3 +241,35 @@ def test_a_nodes_copied_folder_holds_no_ca_key_and_a_ca_is_not_overwritten(
     assert [line.split()[0] for line in shown[1:]] == ["admin", "coordinator", "node-a", "node-b", "node-c"]
     assert all("UTC (in 29 days)" in line or "UTC (in 30 days)" in line for line in shown[1:])
     assert main(["certs", "make", str(certs), "--force"]) == 0
+
+
+def test_a_finished_runs_losses_from_the_cli_equal_the_local_launchers(
+    cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = llama_plan(1, 2)
+    plan_file = tmp_path / "plan.binpb"
+    save_plan(plan, plan_file)
+    client = ["--coordinator", cluster.coordinator.address, "--certs", str(cluster.certs)]
+    assert main(["submit", str(plan_file), *client, "--steps", "3", "--run-id", "results", "--wait", "120"]) == 0
+    capsys.readouterr()
+    assert main(["runs", "results", "--json", *client]) == 0
+    data = json.loads(_printed(capsys, "{")[0])
+    expected = run_local(plan, RunOptions(steps=3, pin_cores=False)).losses
+    assert data["losses"] == expected  # bitwise: the same program, seed and data
+    assert len(data["step_times_us"]) == 3 and all(t > 0 for t in data["step_times_us"])
+    assert main(["metrics", "results", *client]) == 0
+    rows = _printed(capsys, "  STEP")[1:]
+    assert [row.split()[:2] for row in rows] == [["0", "0"], ["1", "0"], ["2", "0"]]
+    assert main(["metrics", "results", "--follow", "--json", *client]) == 0  # a finished run: all, then the end
+    followed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"step"')]
+    assert [(m["step"], m["loss"]) for m in followed] == list(enumerate(expected))
+
+
+def test_stored_metrics_survive_a_torn_last_record(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    items = [node_pb2.StepMetrics(run_id="r", step=s, rank=0, loss=0.5 + s) for s in range(3)]
+    for item in items:
+        store.append_metrics("r", item)
+    path = tmp_path / "runs" / "r" / "metrics.binpb"
+    path.write_bytes(path.read_bytes() + b"\x40\x01")  # a record cut off by a crash
+    assert store.load_metrics("r") == items

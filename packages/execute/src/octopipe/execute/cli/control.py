@@ -1,4 +1,4 @@
-"""``octopipe certs | coordinator | node | submit | runs | nodes | cancel | resume``: the control plane's commands.
+"""``octopipe certs | coordinator | node | submit | runs | metrics | nodes | cancel | resume``: the control plane.
 
 Exit codes: 0 done, 2 bad usage or a refused request (the message says what to
 change), 3 the run ended failed or cancelled, 4 the coordinator could not be
@@ -188,6 +188,15 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     _client_options(runs)
     runs.set_defaults(handler=_runs)
 
+    metrics = sub.add_parser("metrics", help="a run's per-step metrics from every rank (--follow: as they come)")
+    metrics.add_argument("run_id", type=_run_id, help="the run")
+    _client_options(metrics)
+    metrics.add_argument("--follow", action="store_true", help="keep printing until the run ends")
+    metrics.add_argument(
+        "--timeout", type=_seconds, default=3600.0, help="--follow: give up after this many seconds (default 3600)"
+    )
+    metrics.set_defaults(handler=_metrics)
+
     nodes = sub.add_parser("nodes", help="list the coordinator's nodes: slots, liveness, heartbeat age, run")
     _client_options(nodes)
     nodes.set_defaults(handler=_nodes)
@@ -376,6 +385,10 @@ def _print_run(run: Any, as_json: bool) -> None:
         return
     _out(_RUN_HEADER)
     _out(_run_row(run))
+    if run.losses:
+        _out(f"\n{'STEP':>6} {'LOSS':>14} {'STEP (ms)':>10}")
+        for step, (loss, time_us) in enumerate(zip(run.losses, run.step_times_us, strict=True)):
+            _out(f"{step:>6} {loss:>14.8g} {time_us / 1e3:>10.2f}")
 
 
 def _print_runs(runs: list[Any], as_json: bool) -> None:
@@ -445,6 +458,30 @@ def _runs(args: argparse.Namespace) -> int:
             _print_run(client.run(args.run_id), args.json)
         else:
             _print_runs(client.runs(), args.json)
+        return 0
+
+    return _with_client(args, action)
+
+
+def _metrics(args: argparse.Namespace) -> int:
+    def show(item: Any) -> None:
+        if args.json:
+            _out(json.dumps({
+                "step": item.step, "rank": item.rank, "loss": item.loss, "step_duration_us": item.step_duration_us,
+                "peak_memory_bytes": item.peak_memory_bytes, "plan_switches": item.plan_switches,
+            }))  # fmt: skip
+        else:
+            _out(
+                f"{item.step:>6} {item.rank:>5} {item.loss:>14.8g} {item.step_duration_us / 1e3:>10.2f} "
+                f"{item.peak_memory_bytes / 2**20:>10.1f}"
+            )
+
+    def action(client: Any) -> int:
+        if not args.json:
+            _out(f"{'STEP':>6} {'RANK':>5} {'LOSS':>14} {'STEP (ms)':>10} {'PEAK (MiB)':>10}")
+        items = client.follow_metrics(args.run_id, timeout_s=args.timeout) if args.follow else None
+        for item in items if items is not None else client.metrics(args.run_id, follow=False):
+            show(item)
         return 0
 
     return _with_client(args, action)

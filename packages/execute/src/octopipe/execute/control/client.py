@@ -133,10 +133,21 @@ class ControlClient:
         runs = list(self.watch(run_id, timeout_s=timeout_s))
         return runs[-1]
 
-    def metrics(self, run_id: str, *, timeout_s: float = 60.0) -> list[node_pb2.StepMetrics]:
-        """Every step metric of a run (streams until the run ends)."""
-        request = coordinator_pb2.StreamRunMetricsRequest(run_id=run_id)
+    def metrics(self, run_id: str, *, timeout_s: float = 60.0, follow: bool = True) -> list[node_pb2.StepMetrics]:
+        """Every step metric of a run: streamed until the run ends, or (``follow=False``) those there are now."""
+        request = coordinator_pb2.StreamRunMetricsRequest(run_id=run_id, snapshot=not follow)
         try:
             return [r.metrics for r in self._stub.StreamRunMetrics(request, timeout=timeout_s)]
         except grpc.RpcError as exc:
+            raise _explain(exc, self.target) from None
+
+    def follow_metrics(self, run_id: str, *, timeout_s: float) -> Iterator[node_pb2.StepMetrics]:
+        """A run's step metrics as they arrive, until it ends (or ``timeout_s``)."""
+        request = coordinator_pb2.StreamRunMetricsRequest(run_id=run_id)
+        try:
+            for response in self._stub.StreamRunMetrics(request, timeout=timeout_s):
+                yield response.metrics
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimeoutError(f"run {run_id} still running after {timeout_s:g} s") from None
             raise _explain(exc, self.target) from None

@@ -15,6 +15,7 @@ from typing import IO
 import structlog
 
 from octopipe.coordinator.v1 import coordinator_pb2
+from octopipe.node.v1 import node_pb2
 
 __all__ = ["StateLock", "StateStore"]
 
@@ -49,6 +50,27 @@ class StateLock:
             handle.close()
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _read_varint(data: bytes, at: int) -> tuple[int | None, int]:
+    value, shift = 0, 0
+    while at < len(data) and shift < 64:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, at
+        shift += 7
+    return None, at
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     scratch = path.with_suffix(path.suffix + ".tmp")
     with open(scratch, "wb") as handle:
@@ -59,7 +81,8 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 class StateStore:
-    """``<state_dir>/runs/<run_id>/{submit,run}.binpb``."""
+    """``<state_dir>/runs/<run_id>/{submit,run}.binpb`` and ``metrics.binpb`` (the run's StepMetrics, each a
+    varint length and the message, appended as they arrive)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder / "runs"
@@ -71,6 +94,28 @@ class StateStore:
         folder.mkdir(exist_ok=True)
         _write_atomic(folder / "submit.binpb", submit.SerializeToString(deterministic=True))
         _write_atomic(folder / "run.binpb", run.SerializeToString(deterministic=True))
+
+    def append_metrics(self, run_id: str, metrics: node_pb2.StepMetrics) -> None:
+        data = metrics.SerializeToString(deterministic=True)
+        folder = self.folder / run_id
+        folder.mkdir(exist_ok=True)
+        with open(folder / "metrics.binpb", "ab") as handle:
+            handle.write(_varint(len(data)) + data)
+
+    def load_metrics(self, run_id: str) -> list[node_pb2.StepMetrics]:
+        """The run's stored metrics in arrival order (a torn last record, from a crash, is left out)."""
+        path = self.folder / run_id / "metrics.binpb"
+        if not path.is_file():
+            return []
+        data, found, at = path.read_bytes(), [], 0
+        while at < len(data):
+            size, at = _read_varint(data, at)
+            if size is None or at + size > len(data):
+                self._log.warning("metrics_record_torn", run=run_id, offset=at)
+                break
+            found.append(node_pb2.StepMetrics.FromString(data[at : at + size]))
+            at += size
+        return found
 
     def load(self) -> list[tuple[coordinator_pb2.SubmitPlanRequest, coordinator_pb2.Run]]:
         """Every readable record; an unreadable one is logged and skipped, not fatal."""

@@ -128,12 +128,23 @@ class Records:
         }
 
     def add_metrics(self, run_id: str, metrics: node_pb2.StepMetrics) -> None:
+        """Keep one step's metrics: on disk always (protobuf), in memory up to a bound."""
         with self.lock:
             entry = self.runs.get(run_id)
-            if entry is None or len(entry.metrics) >= _MAX_RUN_METRICS:
+            if entry is None:
                 return
-            entry.metrics.append(metrics)
+            self._store.append_metrics(run_id, metrics)
+            if len(entry.metrics) < _MAX_RUN_METRICS:
+                entry.metrics.append(metrics)
         self.changed.notify()
+
+    def metrics_of(self, entry: RunRecord) -> list[node_pb2.StepMetrics]:
+        """Every metric of the run: from memory, or from disk once memory let them go (an old finished run, a
+        restarted coordinator)."""
+        with self.lock:
+            if entry.metrics:
+                return list(entry.metrics)
+        return self._store.load_metrics(entry.run.run_id)
 
 
 def placement_of(run: coordinator_pb2.Run) -> dict[str, list[int]]:

@@ -24,6 +24,7 @@ from octopipe.execute.checkpoint_files import latest_checkpoint
 from octopipe.execute.control.common import TERMINAL_STATES, Server, start_server, state_name
 from octopipe.execute.control.coordinator.closed_loop import ClosedLoop
 from octopipe.execute.control.coordinator.records import CoordinatorConfig, Records, RunRecord
+from octopipe.execute.control.coordinator.results import step_results
 from octopipe.execute.control.coordinator.scheduler import RunScheduler
 from octopipe.execute.control.pushes import RunPusher
 from octopipe.execute.control.security import ADMIN, COORDINATOR, NODE, CertPaths, Claims, require_identity
@@ -196,7 +197,13 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
     ) -> coordinator_pb2.GetRunResponse:
         entry = self._entry(request.run_id, context)
         with self._records.lock:
-            return coordinator_pb2.GetRunResponse(run=entry.run)
+            run = coordinator_pb2.Run()
+            run.CopyFrom(entry.run)
+            plan = entry.plan
+        losses, times = step_results(plan, self._records.metrics_of(entry))
+        run.losses.extend(losses)
+        run.step_times_us.extend(times)
+        return coordinator_pb2.GetRunResponse(run=run)
 
     def ListRuns(
         self, request: coordinator_pb2.ListRunsRequest, context: grpc.ServicerContext
@@ -260,6 +267,12 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     def StreamRunMetrics(self, request: coordinator_pb2.StreamRunMetricsRequest, context: grpc.ServicerContext) -> Any:
         entry = self._entry(request.run_id, context)
+        with self._records.lock:
+            done = entry.run.state in TERMINAL_STATES
+        if done or request.snapshot:  # what there is now (from disk once memory let it go), then the end
+            for metrics in self._records.metrics_of(entry):
+                yield coordinator_pb2.StreamRunMetricsResponse(metrics=metrics)
+            return
         sent, seen = 0, -1
         while context.is_active() and not self._stopping.is_set():
             with self._records.lock:
