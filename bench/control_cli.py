@@ -13,7 +13,6 @@ Prints a table (median [p10, p90]) and writes ``bench/results/control_cli.json``
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from quiet import DEFAULT_MAX_LOAD, Environment, percentile, require_quiet, write_record
+from quiet import DEFAULT_MAX_LOAD, Environment, require_quiet, seconds_summary, write_record
 
 from octopipe.execute.control import Coordinator, CoordinatorConfig, LocalCluster, make_certs
 from octopipe.execute.processes import free_port
@@ -32,15 +31,6 @@ from octopipe.ir import save_plan
 from tests.execute.control_cluster import llama_plan
 
 OUT = Path(__file__).parent / "results" / "control_cli.json"
-
-
-def _summary(values: list[float]) -> dict[str, float]:
-    return {
-        "median_s": statistics.median(values),
-        "p10_s": percentile(values, 0.1),
-        "p90_s": percentile(values, 0.9),
-        "runs": len(values),
-    }
 
 
 def _octopipe(*args: str) -> float:
@@ -118,8 +108,8 @@ def main() -> None:
         registration = _registration(root, max(3, args.rounds // 2), args.head_start)
     record: dict[str, Any] = {
         "rounds": args.rounds,
-        "client_command_s": {name: _summary(values) for name, values in latency.items()},
-        "daemon_first_registration_s": _summary(registration),
+        "client_command_s": {name: seconds_summary(values) for name, values in latency.items()},
+        "daemon_first_registration_s": seconds_summary(registration),
         "daemon_head_start_s": args.head_start,
     }
     print(f"{'':28} {'median (s)':>10} {'p10-p90 (s)':>16}")

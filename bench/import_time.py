@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from quiet import DEFAULT_MAX_LOAD, Environment, percentile, require_quiet, write_record
+from quiet import DEFAULT_MAX_LOAD, Environment, require_quiet, seconds_summary, write_record
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "import_time.json"
@@ -60,15 +59,6 @@ def _counts(tree: Path) -> dict[str, int]:
     }
 
 
-def _summary(values: list[float]) -> dict[str, float]:
-    return {
-        "median_s": statistics.median(values),
-        "p10_s": percentile(values, 0.1),
-        "p90_s": percentile(values, 0.9),
-        "runs": len(values),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", type=Path, required=True, help="another checkout of the repository")
@@ -94,7 +84,7 @@ def main() -> None:
     print(f"{'':12} {'--help (s)':>22} {'import control (s)':>22} {'torch':>6} {'top level':>16} {'deferred':>9}")
     for name, tree in trees.items():
         counts = _counts(tree)
-        help_s, control_s = _summary(times[name]["help"]), _summary(times[name]["control"])
+        help_s, control_s = seconds_summary(times[name]["help"]), seconds_summary(times[name]["control"])
         record["trees"][name] = {
             "path": str(tree),
             "help": help_s,

@@ -111,6 +111,16 @@ def step_summary(values_us: list[float]) -> dict[str, float]:
     }
 
 
+def seconds_summary(values: list[float]) -> dict[str, float]:
+    """Median and 10th-90th percentiles of wall times in seconds, and the count."""
+    return {
+        "median_s": statistics.median(values),
+        "p10_s": percentile(values, 0.1),
+        "p90_s": percentile(values, 0.9),
+        "runs": len(values),
+    }
+
+
 def write_record(path: Path, record: dict[str, Any]) -> None:
     """Print the load before and after (``record["environment"]``, from ``Environment.finish``), write the JSON."""
     environment = record["environment"]
