@@ -273,3 +273,20 @@ def test_stored_metrics_survive_a_torn_last_record(tmp_path: Path) -> None:
     path = tmp_path / "runs" / "r" / "metrics.binpb"
     path.write_bytes(path.read_bytes() + b"\x40\x01")  # a record cut off by a crash
     assert store.load_metrics("r") == items
+
+
+def test_metrics_follow_shows_every_step_of_a_running_run(
+    cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan_file = tmp_path / "plan.binpb"
+    save_plan(llama_plan(1, 2), plan_file)
+    client = ["--coordinator", cluster.coordinator.address, "--certs", str(cluster.certs)]
+    assert main(["submit", str(plan_file), *client, "--steps", "6", "--run-id", "followed"]) == 0
+    with cluster.client() as control:
+        assert control.run("followed").state in (node_pb2.RUN_STATE_QUEUED, node_pb2.RUN_STATE_STARTING)
+    capsys.readouterr()
+    assert main(["metrics", "followed", "--follow", "--json", *client]) == 0  # from before its first step to its end
+    followed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"step"')]
+    assert [m["step"] for m in followed] == list(range(6))
+    with cluster.client() as control:
+        assert control.run("followed").state == node_pb2.RUN_STATE_DONE
