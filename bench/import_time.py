@@ -2,7 +2,7 @@
 
 Measures, in interleaved rounds, each a fresh interpreter:
 - ``python -m octopipe.execute --help`` (what ``octopipe --help`` runs);
-- ``import octopipe.execute.control`` (the coordinator, node daemon and client), and whether torch got loaded;
+- importing the coordinator, the node daemon and the client (``octopipe.execute.control.{coordinator,node,client}``), and whether torch got loaded;
 and counts, per tree, the modules and lines at the top level of ``octopipe.execute`` and the deferred
 imports (``# noqa: PLC0415``) in the packages. The baseline is another checkout of the repository
 (e.g. ``git worktree add /tmp/base <commit>``); both run with this venv, each tree's sources first on
@@ -29,7 +29,8 @@ from quiet import DEFAULT_MAX_LOAD, Environment, require_quiet, seconds_summary,
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "import_time.json"
 _CONTROL = (
-    "import sys, octopipe.execute.control; print(any(m == 'torch' or m.startswith('torch.') for m in sys.modules))"
+    "import sys, octopipe.execute.control.coordinator, octopipe.execute.control.node, "
+    "octopipe.execute.control.client; print(any(m == 'torch' or m.startswith('torch.') for m in sys.modules))"
 )
 
 

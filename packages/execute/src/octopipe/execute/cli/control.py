@@ -242,7 +242,7 @@ def _serve_until_signal(stop: Any) -> None:
 
 
 def _certs_make(args: argparse.Namespace) -> int:
-    from octopipe.execute.control.security import ca_key_folder, make_certs  # noqa: PLC0415
+    from octopipe.execute.control.certs import ca_key_folder, make_certs  # noqa: PLC0415
 
     key_dir = args.ca_key_dir or ca_key_folder(args.folder)
     try:
@@ -261,7 +261,7 @@ def _certs_make(args: argparse.Namespace) -> int:
 
 
 def _certs_node(args: argparse.Namespace) -> int:
-    from octopipe.execute.control.security import add_node_certs  # noqa: PLC0415
+    from octopipe.execute.control.certs import add_node_certs  # noqa: PLC0415
 
     try:
         paths = add_node_certs(args.folder, _node_names(args.node_ids), hosts=args.hosts, ca_key_dir=args.ca_key_dir)
@@ -273,7 +273,7 @@ def _certs_node(args: argparse.Namespace) -> int:
 
 
 def _certs_copy(args: argparse.Namespace) -> int:
-    from octopipe.execute.control.security import copy_identity  # noqa: PLC0415
+    from octopipe.execute.control.certs import copy_identity  # noqa: PLC0415
 
     try:
         written = copy_identity(args.folder, args.identity, args.out)
@@ -287,7 +287,7 @@ def _certs_copy(args: argparse.Namespace) -> int:
 def _certs_show(args: argparse.Namespace) -> int:
     import datetime  # noqa: PLC0415
 
-    from octopipe.execute.control.security import describe_certs  # noqa: PLC0415
+    from octopipe.execute.control.certs import describe_certs  # noqa: PLC0415
 
     now = datetime.datetime.now(datetime.UTC)
     found = describe_certs(args.folder)

@@ -18,11 +18,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from octopipe.execute.control.certs import add_node_certs, make_certs
 from octopipe.execute.control.client import ControlClient
 from octopipe.execute.control.common import state_name
 from octopipe.execute.control.coordinator import Coordinator, CoordinatorConfig
 from octopipe.execute.control.node import NodeConfig, NodeDaemon
-from octopipe.execute.control.security import add_node_certs, make_certs, node_identity
+from octopipe.execute.control.security import node_identity
 from octopipe.execute.runs import RunFailed, RunResult, StepTimeline
 from octopipe.node.v1 import node_pb2
 from octopipe.plan.v1 import plan_pb2

@@ -23,19 +23,17 @@ cluster; ``octopipe certs node DIR ID ...`` adds node certificates later.
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+
+if TYPE_CHECKING:  # cryptography loads only where certificates are read (servers) or made (certs)
+    from cryptography import x509
 
 __all__ = [
     "ADMIN",
@@ -46,17 +44,13 @@ __all__ = [
     "AuthInterceptor",
     "CertPaths",
     "Claims",
-    "add_node_certs",
-    "ca_key_folder",
     "channel_options",
-    "copy_identity",
-    "describe_certs",
-    "make_certs",
     "node_identity",
     "node_server_name",
     "require_identity",
     "secure_channel",
     "server_credentials",
+    "subject_of",
 ]
 
 #: The largest message any server or client accepts (a Plan for 8k ranks is a few MB).
@@ -69,7 +63,6 @@ Claims = Mapping[str, Callable[[Any], Iterable[str]]]
 _CA = "ca"
 _NODE_PREFIX = "node-"
 _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
-_VALID_DAYS = 30
 
 
 @dataclass(frozen=True)
@@ -100,8 +93,10 @@ class CertPaths:
 
     def subject(self) -> tuple[str | None, str | None]:
         """(role, common name) of the certificate."""
+        from cryptography import x509  # noqa: PLC0415 (see the TYPE_CHECKING import)
+
         _, cert, _ = self.read()
-        return _subject(x509.load_pem_x509_certificate(cert))
+        return subject_of(x509.load_pem_x509_certificate(cert))
 
     def _hint(self, path: Path) -> str:
         node = self.name.removeprefix(_NODE_PREFIX)
@@ -124,37 +119,11 @@ def node_identity(node_id: str) -> str:
     return _NODE_PREFIX + node_id
 
 
-def copy_identity(folder: Path, identity: str, out: Path) -> list[Path]:
-    """Copy what one machine needs into ``out``: the CA certificate and ``identity``'s certificate and key (never
-    the CA's key, never another identity's key). Returns the files written."""
-    source = CertPaths(folder, identity)
-    source.read()  # a missing file is named with the command that makes it
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for path in (source.ca, source.cert, source.key):
-        target = out / path.name
-        target.write_bytes(path.read_bytes())
-        if path == source.key:
-            target.chmod(0o600)
-        written.append(target)
-    return written
-
-
-def describe_certs(folder: Path) -> list[tuple[str, str | None, str | None, datetime.datetime]]:
-    """(identity, role, name, expiry) of every certificate in ``folder`` but the CA's, by identity."""
-    found = []
-    for pem in sorted(folder.glob("*.pem")):
-        if pem.stem == _CA:
-            continue
-        cert = x509.load_pem_x509_certificate(pem.read_bytes())
-        role, name = _subject(cert)
-        found.append((pem.stem, role, name, cert.not_valid_after_utc))
-    return found
-
-
 def require_identity(identity: CertPaths, role: str, name: str | None = None) -> None:
     """Raise ValueError unless ``identity``'s certificate has ``role`` (and, given, common name ``name``) and
     has not expired."""
+    from cryptography import x509  # noqa: PLC0415 (see the TYPE_CHECKING import)
+
     _, cert_pem, _ = identity.read()
     expires = x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc
     if expires <= datetime.datetime.now(datetime.UTC):
@@ -176,8 +145,9 @@ def require_identity(identity: CertPaths, role: str, name: str | None = None) ->
     raise ValueError(f"{identity.cert} has role {has_role!r} and name {has_name!r}, but this needs {wanted}: {fix}")
 
 
-def _subject(cert: x509.Certificate) -> tuple[str | None, str | None]:
+def subject_of(cert: x509.Certificate) -> tuple[str | None, str | None]:
     """(role, common name): the first organizational unit and common name of the subject."""
+    from cryptography.x509.oid import NameOID  # noqa: PLC0415 (see the TYPE_CHECKING import)
 
     def first(oid: x509.ObjectIdentifier) -> str | None:
         values = cert.subject.get_attributes_for_oid(oid)
@@ -185,159 +155,6 @@ def _subject(cert: x509.Certificate) -> tuple[str | None, str | None]:
         return value if isinstance(value, str) else None
 
     return first(NameOID.ORGANIZATIONAL_UNIT_NAME), first(NameOID.COMMON_NAME)
-
-
-def _name(common_name: str, role: str) -> x509.Name:
-    return x509.Name(
-        [
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "octopipe"),
-            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
-            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
-        ]
-    )
-
-
-def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-    path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    path.chmod(0o600)
-
-
-def _san(hosts: Iterable[str]) -> x509.SubjectAlternativeName:
-    names: list[x509.GeneralName] = []
-    for host in hosts:
-        try:
-            names.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
-            names.append(x509.DNSName(host))
-    return x509.SubjectAlternativeName(names)
-
-
-def ca_key_folder(folder: Path) -> Path:
-    """Where the CA's private key of certificate folder ``folder`` goes by default: a folder of its own beside
-    it (``<folder>-ca-key``), so that copying ``folder`` (or a node's part of it) never copies the key."""
-    return folder.parent / f"{folder.name}-ca-key"
-
-
-def make_certs(
-    folder: Path,
-    *,
-    hosts: Sequence[str] = ("127.0.0.1", "localhost"),
-    nodes: Sequence[str] = (),
-    ca_name: str = "octopipe test CA",
-    ca_key_dir: Path | None = None,
-    force: bool = False,
-) -> dict[str, CertPaths]:
-    """Write a new CA and the certificates of a cluster into ``folder``; returns the paths by identity.
-
-    ``coordinator`` (role coordinator), ``admin`` (role admin) and, for each
-    of ``nodes``, ``node-<id>`` (role node, common name the node id). Every
-    certificate is valid for ``hosts`` (IP addresses or DNS names) as a server
-    and as a client. The CA's private key goes to ``ca_key_dir`` (default
-    :func:`ca_key_folder`), never into ``folder``: it stays with the operator,
-    for :func:`add_node_certs`. A folder that already holds a CA is refused
-    unless ``force`` (a new CA invalidates every certificate the old one signed).
-    """
-    identities = [node_identity(node) for node in nodes]  # refuse a bad node id before writing anything
-    key_dir = ca_key_dir or ca_key_folder(folder)
-    if not force and ((folder / f"{_CA}.pem").exists() or (key_dir / f"{_CA}.key").exists()):
-        raise FileExistsError(
-            f"{folder} already has a CA: a new one would invalidate every certificate it signed. Add nodes with "
-            f"`octopipe certs node {folder} ID`, or replace the CA with --force"
-        )
-    folder.mkdir(parents=True, exist_ok=True)
-    key_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ca_name)])
-    ca_cert = (
-        x509.CertificateBuilder()
-        .subject_name(ca_subject)
-        .issuer_name(ca_subject)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=_VALID_DAYS))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    (folder / f"{_CA}.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    _write_key(key_dir / f"{_CA}.key", ca_key)
-    (folder / f"{_CA}.key").unlink(missing_ok=True)  # an older layout kept it here
-    paths = {
-        COORDINATOR: _issue(folder, ca_cert, ca_key, COORDINATOR, COORDINATOR, COORDINATOR, hosts),
-        ADMIN: _issue(folder, ca_cert, ca_key, ADMIN, ADMIN, ADMIN, hosts),
-    }
-    for node, identity in zip(nodes, identities, strict=True):
-        paths[identity] = _issue(folder, ca_cert, ca_key, identity, NODE, node, hosts)
-    return paths
-
-
-def add_node_certs(
-    folder: Path,
-    nodes: Sequence[str],
-    *,
-    hosts: Sequence[str] = ("127.0.0.1", "localhost"),
-    ca_key_dir: Path | None = None,
-) -> dict[str, CertPaths]:
-    """Write ``node-<id>`` certificates (role node, common name the id), signed by the CA of ``folder`` (its
-    key in ``ca_key_dir``, default :func:`ca_key_folder`).
-
-    An existing certificate of the same node is replaced. ``hosts`` are the
-    addresses the node's daemon is reached at.
-    """
-    identities = [node_identity(node) for node in nodes]
-    ca_pem, ca_key_path = folder / f"{_CA}.pem", (ca_key_dir or ca_key_folder(folder)) / f"{_CA}.key"
-    if not ca_pem.is_file() or not ca_key_path.is_file():
-        raise FileNotFoundError(
-            f"no CA to sign with ({ca_pem} and {ca_key_path}): make one with `octopipe certs make {folder}`, or "
-            "point --ca-key-dir at the folder holding its ca.key"
-        )
-    ca_cert = x509.load_pem_x509_certificate(ca_pem.read_bytes())
-    ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise ValueError(f"{ca_key_path} is not the EC key `octopipe certs make` writes: remake the folder")
-    return {
-        identity: _issue(folder, ca_cert, ca_key, identity, NODE, node, hosts)
-        for node, identity in zip(nodes, identities, strict=True)
-    }
-
-
-def _issue(
-    folder: Path,
-    ca_cert: x509.Certificate,
-    ca_key: ec.EllipticCurvePrivateKey,
-    identity: str,
-    role: str,
-    common_name: str,
-    hosts: Sequence[str],
-) -> CertPaths:
-    """Write ``<identity>.pem`` and ``.key``: a server and client certificate for ``hosts``, signed by the CA."""
-    if role not in ROLES:
-        raise ValueError(f"unknown certificate role {role!r}: use one of {list(ROLES)}")
-    now = datetime.datetime.now(datetime.UTC)
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name(common_name, role))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(min(now + datetime.timedelta(days=_VALID_DAYS), ca_cert.not_valid_after_utc))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(_san([*hosts, node_server_name(common_name)] if role == NODE else hosts), critical=False)
-        .add_extension(
-            x509.ExtendedKeyUsage([x509.ExtendedKeyUsageOID.SERVER_AUTH, x509.ExtendedKeyUsageOID.CLIENT_AUTH]),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    entry = CertPaths(folder, identity)
-    entry.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    _write_key(entry.key, key)
-    return entry
 
 
 def server_credentials(identity: CertPaths) -> grpc.ServerCredentials:
@@ -378,11 +195,13 @@ def secure_channel(target: str, identity: CertPaths, *, server_name: str | None 
 
 def _peer(context: grpc.ServicerContext) -> tuple[str | None, str | None]:
     """(role, common name) of the verified peer certificate; (None, None) without one."""
+    from cryptography import x509  # noqa: PLC0415 (see the TYPE_CHECKING import)
+
     pems: Any = context.auth_context().get("x509_pem_cert") or []
     if not pems:
         return None, None
     try:
-        return _subject(x509.load_pem_x509_certificate(bytes(pems[0])))
+        return subject_of(x509.load_pem_x509_certificate(bytes(pems[0])))
     except ValueError:
         return None, None
 
