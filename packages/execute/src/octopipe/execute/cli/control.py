@@ -232,6 +232,19 @@ def _host_port(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _serve(start: Any, started: str) -> int:
+    """Start a server (``start()`` returns it), say where it listens (``started`` with its address), and serve
+    until SIGINT or SIGTERM; a missing certificate, an address in use or a held state folder is one line."""
+    try:
+        server = start()
+    except OSError as exc:
+        _err(f"octopipe: error: {exc}")
+        return 2
+    _out(started.format(server.address))
+    _serve_until_signal(server.stop)
+    return 0
+
+
 def _serve_until_signal(stop: Any) -> None:
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -317,14 +330,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         checkpoint_root=args.checkpoint_root,
         heartbeat_timeout_s=args.heartbeat_timeout,
     )
-    try:
-        coordinator = Coordinator(config).start()
-    except OSError as exc:  # a missing certificate, an address in use, a state folder another coordinator holds
-        _err(f"octopipe: error: {exc}")
-        return 2
-    _out(f"coordinator listening on {coordinator.address}")
-    _serve_until_signal(coordinator.stop)
-    return 0
+    return _serve(lambda: Coordinator(config).start(), "coordinator listening on {}")
 
 
 def _node(args: argparse.Namespace) -> int:
@@ -346,21 +352,22 @@ def _node(args: argparse.Namespace) -> int:
         rank_timeout_s=args.rank_timeout,
         pin_cores=not args.no_pin,
     )
-    try:
-        daemon = NodeDaemon(config).start()
-    except OSError as exc:  # a missing certificate, an address in use
-        _err(f"octopipe: error: {exc}")
-        return 2
-    _out(f"node {args.node_id} serving on {daemon.address}")
-    _serve_until_signal(daemon.stop)
-    return 0
+    return _serve(lambda: NodeDaemon(config).start(), f"node {args.node_id} serving on {{}}")
+
+
+def _as_dict(message: Any) -> dict[str, Any]:
+    """A proto message as JSON values: its field names, every field present (zeros and empty lists too)."""
+    result: dict[str, Any] = json_format.MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return result
 
 
 def _run_dict(run: Any) -> dict[str, Any]:
     """A run as JSON: proto field names, the state as the table shows it (``done``, not ``RUN_STATE_DONE``)."""
     from octopipe.execute.control.common import state_name  # noqa: PLC0415 - keeps `octopipe --help` fast
 
-    data = json_format.MessageToDict(run, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    data = _as_dict(run)
     data["state"] = state_name(run.state)
     return data
 
@@ -491,16 +498,7 @@ def _nodes(args: argparse.Namespace) -> int:
     def action(client: Any) -> int:
         nodes = client.nodes()
         if args.json:
-            _out(
-                json.dumps(
-                    [
-                        json_format.MessageToDict(
-                            n, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-                        )
-                        for n in nodes
-                    ]
-                )
-            )
+            _out(json.dumps([_as_dict(n) for n in nodes]))
             return 0
         if not nodes:
             _out("no nodes registered")
