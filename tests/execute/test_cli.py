@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from octopipe.execute.cli import EXIT_OK, EXIT_USAGE, main
+from octopipe.execute.cli import EXIT_OK, EXIT_USAGE, build_parser, main
+from octopipe.execute.cli.main import HelpWithDefaults
 from octopipe.ir import load_plan, plan_from_text, plan_to_text, rank_actions, stage_ranks
 from octopipe.tune import DEFAULT_SCHEDULES, Placement, ScheduleEntry, one_f_one_b, zb_h1
 
@@ -36,6 +40,36 @@ def test_console_script_help_and_version() -> None:
     version = subprocess.run([*OCTOPIPE, "--version"], capture_output=True, text=True, check=False)
     assert version.returncode == 0
     assert version.stdout.strip() == f"octopipe {installed_version()}"
+
+
+def _commands(parser: argparse.ArgumentParser, name: str = "octopipe") -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _commands(sub, f"{name} {sub_name}")
+
+
+def test_every_option_of_every_command_has_help_that_shows_its_default() -> None:
+    checked = 0
+    for name, parser in _commands(build_parser()):
+        shown = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction | argparse._VersionAction | argparse._SubParsersAction):
+                continue
+            assert action.help, f"{name} {action.option_strings or action.dest}: no help text"
+            default = action.default
+            if default in (None, False, "", [], ()) or not (action.option_strings or action.nargs == "?"):
+                continue
+            value = " ".join(map(str, default)) if isinstance(default, list) else str(default)
+            said = HelpWithDefaults(name)._get_help_string(action) or ""
+            assert "default" in said, f"{name} {action.option_strings}: the help does not give the default {value}"
+            assert " ".join(said.replace("%(default)s", value).split()) in shown.replace("%%", "%")
+            if "%(default)s" not in said:  # written by hand: it must say the default the parser has
+                short = f"{default:g}" if isinstance(default, float) else value
+                assert re.search(rf"default:? {re.escape(short)}\b", said), f"{name} {action.option_strings}: {said}"
+            checked += 1
+    assert checked > 40  # every command's defaulted options were seen, not an empty walk
 
 
 @pytest.mark.parametrize(
@@ -256,7 +290,7 @@ def test_trace_puts_measured_timelines_beside_the_simulation(
     assert ("measured rank 1", "1F0", 10.0, 5.0) in spans
     assert ("simulated rank 0", "0F0", 0.0, 1.0) in [(*s[:3], round(s[3], 6)) for s in spans]
     assert main([*argv[:-1], "--step", "2"]) == EXIT_USAGE
-    assert "--step 2: the timeline holds steps 0 to 1" in capsys.readouterr().err
+    assert "--step 2: the measured steps are 0 to 1" in capsys.readouterr().err
 
 
 def test_exit_codes_for_a_failed_run_and_a_bug(

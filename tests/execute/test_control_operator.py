@@ -31,7 +31,8 @@ from octopipe.execute.control.submission import run_id_problem
 from octopipe.execute.processes import free_port
 from octopipe.execute.runs import RunOptions
 from octopipe.execute.runtime import run_local
-from octopipe.ir import save_plan
+from octopipe.execute.runtime.measure import MEASURED_PID_OFFSET
+from octopipe.ir import format_action, rank_actions, save_plan
 from octopipe.node.v1 import node_pb2, node_pb2_grpc
 from tests.execute.control_cluster import llama_plan
 
@@ -263,6 +264,15 @@ def test_a_finished_runs_losses_from_the_cli_equal_the_local_launchers(
     assert main(["metrics", "results", "--follow", "--json", *client]) == 0  # a finished run: all, then the end
     followed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"step"')]
     assert [(m["step"], m["loss"]) for m in followed] == list(enumerate(expected))
+    trace = tmp_path / "run.json"
+    assert main(["trace", "--run", "results", *client, "--out", str(trace), "--json"]) == 0
+    written = json.loads("\n".join(_printed(capsys, "{")))  # printed over several lines
+    assert written == {"files": {"trace": str(trace)}, "tracks": ["measured"], "step": 2}
+    events = json.loads(trace.read_text())["traceEvents"]
+    drawn = [e["name"] for e in events if e["ph"] == "X" and e["pid"] == MEASURED_PID_OFFSET]
+    assert drawn == [format_action(a) for a in rank_actions(plan)[0]]  # rank 0's last step, every action in the order it ran
+    assert main(["trace", "--run", "results", *client, "--step", "7"]) == EXIT_USAGE
+    assert "--step 7: the measured steps are 0 to 2" in capsys.readouterr().err
 
 
 def test_stored_metrics_survive_a_torn_last_record(tmp_path: Path) -> None:
@@ -290,3 +300,28 @@ def test_metrics_follow_shows_every_step_of_a_running_run(
     assert [m["step"] for m in followed] == list(range(6))
     with cluster.client() as control:
         assert control.run("followed").state == node_pb2.RUN_STATE_DONE
+
+
+def test_runs_shows_the_checkpoint_step_as_the_run_goes_and_a_refusal_in_the_clis_words(
+    cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with cluster.client() as control:
+        run_id = control.submit(llama_plan(1, 2), steps=8, run_id="checkpoints", checkpoint_every=2)
+        seen: set[tuple[int, int]] = set()  # (completed steps, checkpoint step) while running
+        deadline = time.monotonic() + 120
+        while (run := control.run(run_id)).state not in (node_pb2.RUN_STATE_DONE, node_pb2.RUN_STATE_FAILED):
+            if run.state == node_pb2.RUN_STATE_RUNNING:
+                seen.add((run.completed_steps, run.last_checkpoint_step))
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert (run.state, run.completed_steps, run.last_checkpoint_step) == (node_pb2.RUN_STATE_DONE, 8, 8)
+        assert any(0 < checkpoint < 8 for _, checkpoint in seen), seen  # not only once the run ended
+        assert all(checkpoint % 2 == 0 for _, checkpoint in seen)
+        waiting = control.submit(llama_plan(2, 4), steps=1, run_id="no-checkpoints")  # never fits: stays queued
+        control.cancel(waiting)
+    client = ["--coordinator", cluster.coordinator.address, "--certs", str(cluster.certs)]
+    capsys.readouterr()
+    assert main(["resume", "no-checkpoints", *client]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "submit with --checkpoint-every > 0" in err, err
+    assert "FAILED_PRECONDITION" not in err and "checkpoint_every" not in err

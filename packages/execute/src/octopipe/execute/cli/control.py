@@ -10,23 +10,20 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format
 
+from octopipe.execute.cli.connect import certs_option, client_options, err, out, run_id_arg, with_client
+from octopipe.execute.cli.errors import EXIT_RUN_FAILED, EXIT_USAGE
 from octopipe.execute.cli.profile import load_profile
 from octopipe.ir import load_plan
 from octopipe.node.v1 import node_pb2
 from octopipe.tune import ScheduleRegistry
 
-__all__ = ["EXIT_RUN_FAILED", "EXIT_TIMED_OUT", "EXIT_UNREACHABLE", "register"]
-
-EXIT_RUN_FAILED = 3
-EXIT_UNREACHABLE = 4
-EXIT_TIMED_OUT = 5
+__all__ = ["register"]
 
 
 def _count(minimum: int) -> Any:
@@ -54,31 +51,9 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _run_id(text: str) -> str:
-    from octopipe.execute.control.submission import run_id_problem  # noqa: PLC0415 (keeps --help fast)
-
-    problem = run_id_problem(text) if text else ""  # "" (the default): the coordinator picks one
-    if problem:
-        raise argparse.ArgumentTypeError(problem)
-    return text
-
-
-def _certs_option(parser: argparse.ArgumentParser, identity: str, shown: str = "") -> None:
-    parser.add_argument("--certs", type=Path, required=True, help="the folder `octopipe certs make` wrote")
-    parser.add_argument(
-        "--identity", default=identity, help=f"which certificate in --certs to use (default {shown or identity})"
-    )
-
-
 def _node_names(values: list[str]) -> list[str]:
     """``--nodes a b`` and ``--nodes a,b`` alike."""
     return [name for value in values for name in value.split(",") if name]
-
-
-def _client_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--coordinator", required=True, help="the coordinator's host:port")
-    _certs_option(parser, "admin")
-    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
 
 
 def register(sub: Any, registry: ScheduleRegistry) -> None:
@@ -89,12 +64,12 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
         "make",
         help="write a new CA and the coordinator, admin and node-ID certificates into DIR",
         description=(
-            "Write a new CA (ca.pem, ca.key) and certificates into DIR: coordinator (role coordinator: the only "
+            "Write a new CA (ca.pem into DIR, its private key ca.key into --ca-key-dir) and certificates into DIR: coordinator (role coordinator: the only "
             "caller daemons accept), admin (role admin: submit, runs, cancel, resume) and node-ID for each --nodes "
             "ID (role node, named ID: `octopipe node --node-id ID` loads it and may register only as ID)."
         ),
     )
-    make.add_argument("folder", type=Path)
+    make.add_argument("folder", metavar="DIR", type=Path, help="the folder to write")
     make.add_argument(
         "--hosts", nargs="+", default=["127.0.0.1", "localhost"], help="addresses the servers are reached at"
     )
@@ -116,7 +91,7 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
         help="add node-ID certificates to DIR, signed by the CA in DIR (for nodes added later)",
         description="Write node-ID.pem/.key for each ID (role node, named ID), signed by DIR's ca.key.",
     )
-    add.add_argument("folder", type=Path)
+    add.add_argument("folder", metavar="DIR", type=Path, help="the folder `certs make` wrote")
     add.add_argument("node_ids", nargs="+", metavar="ID", help="node ids (as given to `octopipe node --node-id`)")
     add.add_argument(
         "--hosts", nargs="+", default=["127.0.0.1", "localhost"], help="addresses the node's daemon is reached at"
@@ -129,30 +104,41 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
         description="Write OUT/ca.pem, OUT/NAME.pem and OUT/NAME.key: what one machine needs, and nothing else "
         "(no CA key, no other identity's key).",
     )
-    copy.add_argument("folder", type=Path)
+    copy.add_argument("folder", metavar="DIR", type=Path, help="the folder `certs make` wrote")
     copy.add_argument("identity", help="coordinator, admin or node-ID")
-    copy.add_argument("out", type=Path)
+    copy.add_argument(
+        "out", metavar="OUT", type=Path, help="the folder to write, for the machine that uses the identity"
+    )
     copy.set_defaults(handler=_certs_copy)
     show = certs_sub.add_parser("show", help="list DIR's certificates: role, name, expiry")
-    show.add_argument("folder", type=Path)
+    show.add_argument("folder", metavar="DIR", type=Path, help="the folder `certs make` wrote")
     show.set_defaults(handler=_certs_show)
 
     coordinator = sub.add_parser("coordinator", help="run the coordinator (gRPC, mutual TLS)")
     coordinator.add_argument("--listen", default="127.0.0.1:50051", help="host:port to serve on (port 0: any)")
-    _certs_option(coordinator, "coordinator")
-    coordinator.add_argument("--state-dir", type=Path, default=Path("octopipe-coordinator"))
-    coordinator.add_argument("--checkpoint-root", type=Path, help="shared storage for run checkpoints")
+    certs_option(coordinator, "coordinator")
+    coordinator.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path("octopipe-coordinator"),
+        help="where runs, metrics and checkpoints (without --checkpoint-root) are kept; one coordinator per folder",
+    )
+    coordinator.add_argument(
+        "--checkpoint-root", type=Path, help="shared storage for run checkpoints (default: STATE_DIR/checkpoints)"
+    )
     coordinator.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence = node lost")
     coordinator.set_defaults(handler=_coordinator)
 
     node = sub.add_parser("node", help="run a node daemon: registers with the coordinator and runs ranks")
     node.add_argument("--coordinator", required=True, help="the coordinator's host:port")
-    _certs_option(node, "", shown="node-<node id>")
+    certs_option(node, "", shown="node-<node id>")
     node.add_argument("--node-id", required=True, help="this node's id; its certificate names it (node-ID.pem)")
     node.add_argument("--listen", default="127.0.0.1:0", help="host:port to serve on (port 0: any)")
     node.add_argument("--advertise", default="", help="the host others reach this node at (default: --listen host)")
     node.add_argument("--slots", type=_count(1), default=1, help="rank processes this node runs (default 1)")
-    node.add_argument("--work-dir", type=Path, default=Path("octopipe-node"))
+    node.add_argument(
+        "--work-dir", type=Path, default=Path("octopipe-node"), help="where the ranks' files go (one folder per run)"
+    )
     node.add_argument("--allow-model-source", action="append", default=[], help="package.module:function")
     node.add_argument(
         "--fence-after", type=float, default=6.0, help="stop ranks after this long without the coordinator"
@@ -163,10 +149,10 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
 
     submit = sub.add_parser("submit", help="submit a plan to a coordinator")
     submit.add_argument("plan", type=Path, help="plan file (.binpb, .json, .txt, .csv) naming its model")
-    _client_options(submit)
+    client_options(submit)
     submit.add_argument("--steps", type=_count(1), default=3, help="optimizer steps (default 3)")
     submit.add_argument(
-        "--run-id", type=_run_id, default="", help="a name for the run (default: the coordinator picks one)"
+        "--run-id", type=run_id_arg, default="", help="a name for the run (default: the coordinator picks one)"
     )
     submit.add_argument("--seed", type=_count(0), default=0, help="the model's seed on every rank (default 0)")
     submit.add_argument(
@@ -184,13 +170,13 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     submit.set_defaults(handler=_submit)
 
     runs = sub.add_parser("runs", help="list a coordinator's runs (or show one)")
-    runs.add_argument("run_id", nargs="?", type=_run_id, help="show this run (default: list every run)")
-    _client_options(runs)
+    runs.add_argument("run_id", nargs="?", type=run_id_arg, help="show this run (default: list every run)")
+    client_options(runs)
     runs.set_defaults(handler=_runs)
 
     metrics = sub.add_parser("metrics", help="a run's per-step metrics from every rank (--follow: as they come)")
-    metrics.add_argument("run_id", type=_run_id, help="the run")
-    _client_options(metrics)
+    metrics.add_argument("run_id", type=run_id_arg, help="the run")
+    client_options(metrics)
     metrics.add_argument("--follow", action="store_true", help="keep printing until the run ends")
     metrics.add_argument(
         "--timeout", type=_seconds, default=3600.0, help="--follow: give up after this many seconds (default 3600)"
@@ -198,31 +184,22 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     metrics.set_defaults(handler=_metrics)
 
     nodes = sub.add_parser("nodes", help="list the coordinator's nodes: slots, liveness, heartbeat age, run")
-    _client_options(nodes)
+    client_options(nodes)
     nodes.set_defaults(handler=_nodes)
 
     cancel = sub.add_parser("cancel", help="stop a run on every node")
-    cancel.add_argument("run_id", type=_run_id, help="the run to stop")
-    _client_options(cancel)
+    cancel.add_argument("run_id", type=run_id_arg, help="the run to stop")
+    client_options(cancel)
     cancel.set_defaults(handler=_cancel)
 
     resume = sub.add_parser("resume", help="restart a failed or cancelled run from its last checkpoint")
-    resume.add_argument("run_id", type=_run_id, help="the failed or cancelled run to resume")
-    _client_options(resume)
+    resume.add_argument("run_id", type=run_id_arg, help="the failed or cancelled run to resume")
+    client_options(resume)
     resume.add_argument("--plan", type=Path, help="a re-tuned plan with the same layers (e.g. for fewer nodes)")
     resume.add_argument(
         "--wait", type=_seconds, default=0.0, help="wait up to this many seconds for the run to end (default 0)"
     )
     resume.set_defaults(handler=_resume)
-
-
-def _out(text: str) -> None:
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
-
-
-def _err(text: str) -> None:
-    sys.stderr.write(text + "\n")
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -238,9 +215,9 @@ def _serve(start: Any, started: str) -> int:
     try:
         server = start()
     except OSError as exc:
-        _err(f"octopipe: error: {exc}")
-        return 2
-    _out(started.format(server.address))
+        err(f"octopipe: error: {exc}")
+        return EXIT_USAGE
+    out(started.format(server.address))
     _serve_until_signal(server.stop)
     return 0
 
@@ -263,13 +240,13 @@ def _certs_make(args: argparse.Namespace) -> int:
             args.folder, hosts=args.hosts, nodes=_node_names(args.nodes), ca_key_dir=key_dir, force=args.force
         )
     except FileExistsError as exc:
-        _err(f"octopipe: error: {exc}")
-        return 2
-    _out(f"wrote a CA and certificates {sorted(paths)} for {args.hosts} into {args.folder}")
-    _out(f"the CA's private key is in {key_dir}: keep it with you, off every node")
+        err(f"octopipe: error: {exc}")
+        return EXIT_USAGE
+    out(f"wrote a CA and certificates {sorted(paths)} for {args.hosts} into {args.folder}")
+    out(f"the CA's private key is in {key_dir}: keep it with you, off every node")
     if not args.nodes:
-        _out(f"no node certificates yet: add them with `octopipe certs node {args.folder} ID ...` (or --nodes)")
-    _out(f"give each machine only its own files: `octopipe certs copy {args.folder} node-ID OUT`")
+        out(f"no node certificates yet: add them with `octopipe certs node {args.folder} ID ...` (or --nodes)")
+    out(f"give each machine only its own files: `octopipe certs copy {args.folder} node-ID OUT`")
     return 0
 
 
@@ -279,9 +256,9 @@ def _certs_node(args: argparse.Namespace) -> int:
     try:
         paths = add_node_certs(args.folder, _node_names(args.node_ids), hosts=args.hosts, ca_key_dir=args.ca_key_dir)
     except FileNotFoundError as exc:
-        _err(f"octopipe: error: {exc}")
-        return 2
-    _out(f"wrote certificates {sorted(paths)} for {args.hosts} into {args.folder}, signed by its CA")
+        err(f"octopipe: error: {exc}")
+        return EXIT_USAGE
+    out(f"wrote certificates {sorted(paths)} for {args.hosts} into {args.folder}, signed by its CA")
     return 0
 
 
@@ -291,9 +268,9 @@ def _certs_copy(args: argparse.Namespace) -> int:
     try:
         written = copy_identity(args.folder, args.identity, args.out)
     except FileNotFoundError as exc:
-        _err(f"octopipe: error: {exc}")
-        return 2
-    _out(f"wrote {', '.join(p.name for p in written)} into {args.out}")
+        err(f"octopipe: error: {exc}")
+        return EXIT_USAGE
+    out(f"wrote {', '.join(p.name for p in written)} into {args.out}")
     return 0
 
 
@@ -305,15 +282,13 @@ def _certs_show(args: argparse.Namespace) -> int:
     now = datetime.datetime.now(datetime.UTC)
     found = describe_certs(args.folder)
     if not found:
-        _err(
-            f"octopipe: error: {args.folder} holds no certificates: make them with `octopipe certs make {args.folder}`"
-        )
-        return 2
-    _out(f"{'IDENTITY':<20} {'ROLE':<12} {'NAME':<16} EXPIRES")
+        err(f"octopipe: error: {args.folder} holds no certificates: make them with `octopipe certs make {args.folder}`")
+        return EXIT_USAGE
+    out(f"{'IDENTITY':<20} {'ROLE':<12} {'NAME':<16} EXPIRES")
     for identity, role, name, expires in found:
         left = expires - now
         note = "EXPIRED" if left.total_seconds() <= 0 else f"in {left.days} days"
-        _out(f"{identity:<20} {role or '-':<12} {name or '-':<16} {expires:%Y-%m-%d %H:%M} UTC ({note})")
+        out(f"{identity:<20} {role or '-':<12} {name or '-':<16} {expires:%Y-%m-%d %H:%M} UTC ({note})")
     return 0
 
 
@@ -388,46 +363,26 @@ def _run_row(run: Any) -> str:
 
 def _print_run(run: Any, as_json: bool) -> None:
     if as_json:
-        _out(json.dumps(_run_dict(run)))
+        out(json.dumps(_run_dict(run)))
         return
-    _out(_RUN_HEADER)
-    _out(_run_row(run))
+    out(_RUN_HEADER)
+    out(_run_row(run))
     if run.losses:
-        _out(f"\n{'STEP':>6} {'LOSS':>14} {'STEP (ms)':>10}")
+        out(f"\n{'STEP':>6} {'LOSS':>14} {'STEP (ms)':>10}")
         for step, (loss, time_us) in enumerate(zip(run.losses, run.step_times_us, strict=True)):
-            _out(f"{step:>6} {loss:>14.8g} {time_us / 1e3:>10.2f}")
+            out(f"{step:>6} {loss:>14.8g} {time_us / 1e3:>10.2f}")
 
 
 def _print_runs(runs: list[Any], as_json: bool) -> None:
     if as_json:
-        _out(json.dumps([_run_dict(run) for run in runs]))
+        out(json.dumps([_run_dict(run) for run in runs]))
         return
     if not runs:
-        _out("no runs")
+        out("no runs")
         return
-    _out(_RUN_HEADER)
+    out(_RUN_HEADER)
     for run in runs:
-        _out(_run_row(run))
-
-
-def _with_client(args: argparse.Namespace, action: Any) -> int:
-    from octopipe.execute.control.client import ControlClient, ControlError  # noqa: PLC0415
-
-    try:
-        with ControlClient(args.coordinator, args.certs, args.identity) as client:
-            return int(action(client))
-    except FileNotFoundError as exc:  # a missing certificate folder or file: the message names the fix
-        _err(f"octopipe: error: {exc}")
-        return 2
-    except ControlError as exc:
-        _err(f"octopipe: error: {exc}")
-        return EXIT_UNREACHABLE if exc.code.name == "UNAVAILABLE" else 2
-    except TimeoutError as exc:
-        _err(f"octopipe: error: {exc}: the run goes on; wait longer or check `octopipe runs`")
-        return EXIT_TIMED_OUT
-    except KeyboardInterrupt:
-        _err("octopipe: interrupted: the run goes on at the coordinator (`octopipe runs`, `octopipe cancel RUN`)")
-        return 130
+        out(_run_row(run))
 
 
 def _finish(client: Any, run_id: str, wait_s: float, as_json: bool) -> int:
@@ -456,7 +411,7 @@ def _submit(args: argparse.Namespace) -> int:
         )
         return _finish(client, run_id, args.wait, args.json)
 
-    return _with_client(args, action)
+    return with_client(args, action)
 
 
 def _runs(args: argparse.Namespace) -> int:
@@ -467,52 +422,52 @@ def _runs(args: argparse.Namespace) -> int:
             _print_runs(client.runs(), args.json)
         return 0
 
-    return _with_client(args, action)
+    return with_client(args, action)
 
 
 def _metrics(args: argparse.Namespace) -> int:
     def show(item: Any) -> None:
         if args.json:
-            _out(json.dumps({
+            out(json.dumps({
                 "step": item.step, "rank": item.rank, "loss": item.loss, "step_duration_us": item.step_duration_us,
                 "peak_memory_bytes": item.peak_memory_bytes, "plan_switches": item.plan_switches,
             }))  # fmt: skip
         else:
-            _out(
+            out(
                 f"{item.step:>6} {item.rank:>5} {item.loss:>14.8g} {item.step_duration_us / 1e3:>10.2f} "
                 f"{item.peak_memory_bytes / 2**20:>10.1f}"
             )
 
     def action(client: Any) -> int:
         if not args.json:
-            _out(f"{'STEP':>6} {'RANK':>5} {'LOSS':>14} {'STEP (ms)':>10} {'PEAK (MiB)':>10}")
+            out(f"{'STEP':>6} {'RANK':>5} {'LOSS':>14} {'STEP (ms)':>10} {'PEAK (MiB)':>10}")
         items = client.follow_metrics(args.run_id, timeout_s=args.timeout) if args.follow else None
         for item in items if items is not None else client.metrics(args.run_id, follow=False):
             show(item)
         return 0
 
-    return _with_client(args, action)
+    return with_client(args, action)
 
 
 def _nodes(args: argparse.Namespace) -> int:
     def action(client: Any) -> int:
         nodes = client.nodes()
         if args.json:
-            _out(json.dumps([_as_dict(n) for n in nodes]))
+            out(json.dumps([_as_dict(n) for n in nodes]))
             return 0
         if not nodes:
-            _out("no nodes registered")
+            out("no nodes registered")
             return 0
-        _out(f"{'NODE':<16} {'ADDRESS':<22} {'SLOTS':>5} {'STATE':<6} {'HEARTBEAT':>9}  RUN")
+        out(f"{'NODE':<16} {'ADDRESS':<22} {'SLOTS':>5} {'STATE':<6} {'HEARTBEAT':>9}  RUN")
         for n in nodes:
             state = "alive" if n.alive else "lost"
-            _out(
+            out(
                 f"{n.node_id:<16} {n.address:<22} {n.slots:>5} {state:<6} {n.heartbeat_age_seconds:>8.1f}s  "
                 f"{n.run_id or '-'}"
             )
         return 0
 
-    return _with_client(args, action)
+    return with_client(args, action)
 
 
 def _cancel(args: argparse.Namespace) -> int:
@@ -520,7 +475,7 @@ def _cancel(args: argparse.Namespace) -> int:
         _print_run(client.cancel(args.run_id), args.json)
         return 0
 
-    return _with_client(args, action)
+    return with_client(args, action)
 
 
 def _resume(args: argparse.Namespace) -> int:
@@ -531,4 +486,4 @@ def _resume(args: argparse.Namespace) -> int:
         client.resume(args.run_id, plan)
         return _finish(client, args.run_id, args.wait, args.json)
 
-    return _with_client(args, action)
+    return with_client(args, action)

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
-__all__ = ["EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "UsageError"]
+__all__ = [
+    "EXIT_INTERNAL",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_RUN_FAILED",
+    "EXIT_TIMED_OUT",
+    "EXIT_UNREACHABLE",
+    "EXIT_USAGE",
+    "UsageError",
+]
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_USAGE = 2
+#: the run ended failed or cancelled
+EXIT_RUN_FAILED = 3
+#: the coordinator could not be reached
+EXIT_UNREACHABLE = 4
+#: a ``--wait`` ran out (the run goes on)
+EXIT_TIMED_OUT = 5
 EXIT_INTERRUPTED = 130
 
 

@@ -15,13 +15,23 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 import traceback
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from octopipe.execute.cli import control, demo, plan, profile, run, simulate, trace, tune
-from octopipe.execute.cli.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
+from octopipe.execute.cli.errors import (
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_RUN_FAILED,
+    EXIT_TIMED_OUT,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    UsageError,
+)
 from octopipe.execute.logconfig import configure_logging
 from octopipe.ir import (
     PlanError,
@@ -29,6 +39,7 @@ from octopipe.ir import (
 from octopipe.tune import DEFAULT_SCHEDULES, ScheduleRegistry
 
 __all__ = [
+    "COMMANDS",
     "EXIT_INTERNAL",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
@@ -36,19 +47,39 @@ __all__ = [
     "EXIT_TIMED_OUT",
     "EXIT_UNREACHABLE",
     "EXIT_USAGE",
+    "HelpWithDefaults",
+    "build_parser",
+    "entry",
     "main",
 ]
-
-EXIT_RUN_FAILED = control.EXIT_RUN_FAILED
-EXIT_UNREACHABLE = control.EXIT_UNREACHABLE
-EXIT_TIMED_OUT = control.EXIT_TIMED_OUT
 
 #: every command module: ``register(sub, registry)`` adds its parser(s), each with ``handler=`` set.
 #: A new command is one module here.
 COMMANDS = (plan, profile, tune, simulate, run, trace, control, demo)
 
 
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Help that shows every option's default (unless its text already says it) and never breaks a word at a
+    hyphen (``--checkpoint-every`` stays whole)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        shown = default not in (None, False, argparse.SUPPRESS, "", [], ()) and "default" not in text
+        if shown and (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)):
+            value = " ".join(map(str, default)) if isinstance(default, list | tuple) else "%(default)s"
+            return f"{text} (default: {value})".strip()
+        return action.help
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpWithDefaults)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
@@ -66,7 +97,12 @@ def build_parser(*, registry: ScheduleRegistry = DEFAULT_SCHEDULES) -> argparse.
     parser = _Parser(prog="octopipe", description="Pipeline-parallel training: plan, simulate, tune, run.")
     parser.set_defaults(registry=registry)
     parser.add_argument("--version", action="version", version=f"octopipe {_version()}")
-    parser.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
+    parser.add_argument(
+        "--log-format",
+        choices=("auto", "json", "console"),
+        default="auto",
+        help="log lines on stderr as JSON or for people (auto: for people on a terminal, JSON otherwise)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     for command in COMMANDS:

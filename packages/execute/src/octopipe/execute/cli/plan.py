@@ -36,14 +36,16 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     )
     show.add_argument("--ranks", type=int, default=2, help="ranks of the example plan")
     show.add_argument("--microbatches", type=int, default=4, help="micro-batches of the example plan")
-    show.add_argument("--as", dest="fmt", choices=("grid", "text", "csv", "json"), default="grid")
+    show.add_argument(
+        "--as", dest="fmt", choices=("grid", "text", "csv", "json"), default="grid", help="the format to print"
+    )
     show.add_argument("--compute-only", action="store_true", help="grid/csv: leave out communication")
     show.add_argument("--json", action="store_true", help="the same as --as json")
     show.set_defaults(handler=_plan_show)
 
     convert = plan_sub.add_parser("convert", help="convert a plan file between formats")
-    convert.add_argument("source", type=Path)
-    convert.add_argument("destination", type=Path)
+    convert.add_argument("source", type=Path, help="the plan file to read (.binpb/.pb, .json, .txt/.plan, .csv)")
+    convert.add_argument("destination", type=Path, help="the plan file to write; its suffix names the format")
     convert.add_argument("--from", dest="from_format", choices=_FORMATS, help="default: from the suffix")
     convert.add_argument("--to", dest="to_format", choices=_FORMATS, help="default: from the suffix")
     convert.add_argument("--json", action="store_true", help="print what was written as JSON")

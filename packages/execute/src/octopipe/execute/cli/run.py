@@ -41,7 +41,7 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     parser.set_defaults(handler=run)
     parser.add_argument("plan", type=Path, help="plan file (.binpb, .json, .txt, .csv) naming its model")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the model's seed on every rank")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any rank may wait for a message")
     parser.add_argument("--profile", type=Path, help="a Profile: also simulate the plan and compare")
     parser.add_argument("--trace", type=Path, help="write a Perfetto trace (simulated and measured side by side)")

@@ -85,7 +85,7 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     parser.add_argument("--time-budget", type=float, default=30.0, help="seconds (default 30)")
     parser.add_argument("--max-evaluations", type=int, default=3000, help="simulations at most (default 3000)")
     parser.add_argument("--kicks", type=int, default=1, help="random restarts of the partition search per placement")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the search's random seed (same seed, same plan)")
     parser.add_argument(
         "--min-gain",
         type=float,

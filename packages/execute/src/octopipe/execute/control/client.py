@@ -36,7 +36,7 @@ def _explain(exc: grpc.RpcError, target: str) -> ControlError:
             else "check that the coordinator runs there"
         )
         return ControlError(f"cannot reach the coordinator at {target} ({details}): {hint}", code)
-    return ControlError(f"{code.name}: {details}", code)
+    return ControlError(details or code.name, code)  # the status is in .code; the message is the reason
 
 
 class ControlClient:

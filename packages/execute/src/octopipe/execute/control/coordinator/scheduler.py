@@ -94,6 +94,8 @@ class RunScheduler:
         steps = [s.completed_steps for s in reports if s.run_id == run.run_id and s.plan_version == run.plan_version]
         if len(steps) == len(entry.placement) and min(steps) > run.completed_steps:
             run.completed_steps = min(steps)
+            if run.checkpoint_dir:  # as steps pass, not only at the end (a complete checkpoint has every rank's)
+                run.last_checkpoint_step = latest_checkpoint(run.checkpoint_dir)
             records.save(entry)
         states = {s.state for s in reports if s.run_id == run.run_id and s.plan_version == run.plan_version}
         if len(reports) == len(entry.placement) and states == {node_pb2.RUN_STATE_DONE}:
