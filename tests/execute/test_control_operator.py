@@ -34,6 +34,7 @@ from octopipe.execute.runtime import run_local
 from octopipe.execute.runtime.measure import MEASURED_PID_OFFSET
 from octopipe.ir import format_action, rank_actions, save_plan
 from octopipe.node.v1 import node_pb2, node_pb2_grpc
+from octopipe.simulate import local_cost_model, simulate, uniform_profile
 from tests.execute.control_cluster import llama_plan
 
 
@@ -250,14 +251,27 @@ def test_a_finished_runs_losses_from_the_cli_equal_the_local_launchers(
     plan = llama_plan(1, 2)
     plan_file = tmp_path / "plan.binpb"
     save_plan(plan, plan_file)
+    profile = uniform_profile(plan, forward_us=900.0)
+    (tmp_path / "costs.binpb").write_bytes(profile.SerializeToString())
     client = ["--coordinator", cluster.coordinator.address, "--certs", str(cluster.certs)]
-    assert main(["submit", str(plan_file), *client, "--steps", "3", "--run-id", "results", "--wait", "120"]) == 0
+    submit = ["submit", str(plan_file), *client, "--steps", "3", "--profile", str(tmp_path / "costs.binpb")]
+    assert main([*submit, "--run-id", "results", "--wait", "120"]) == 0
     capsys.readouterr()
     assert main(["runs", "results", "--json", *client]) == 0
     data = json.loads(_printed(capsys, "{")[0])
     expected = run_local(plan, RunOptions(steps=3, pin_cores=False)).losses
     assert data["losses"] == expected  # bitwise: the same program, seed and data
     assert len(data["step_times_us"]) == 3 and all(t > 0 for t in data["step_times_us"])
+    predicted = simulate(plan, local_cost_model(plan, profile)).estimate.step_time_us
+    assert data["predicted_step_time_us"] == predicted > 0
+    assert main(["runs", "results", *client]) == 0
+    said = _printed(capsys, "predicted")[0]
+    assert said.startswith(f"predicted {predicted / 1e3:.2f} ms/step; measured ") and "error" in said
+    profile.layers.pop()  # a profile without the head's costs cannot cost the plan: refused at submit
+    (tmp_path / "costs.binpb").write_bytes(profile.SerializeToString())
+    assert main(submit) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the profile has no costs for layers" in err
     assert main(["metrics", "results", *client]) == 0
     rows = _printed(capsys, "  STEP")[1:]
     assert [row.split()[:2] for row in rows] == [["0", "0"], ["1", "0"], ["2", "0"]]

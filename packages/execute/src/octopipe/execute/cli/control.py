@@ -165,6 +165,12 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
         "--adapt", type=Path, metavar="PROFILE", help="closed loop: re-tune from measured steps, starting from PROFILE"
     )
     submit.add_argument(
+        "--profile",
+        type=Path,
+        help="layer costs (`octopipe profile`): the coordinator predicts the step time, and `runs RUN` shows it "
+        "beside the measured one (--adapt's PROFILE does too)",
+    )
+    submit.add_argument(
         "--adapt-after", type=_count(0), default=0, help="steps to measure before re-tuning (default 0: 3 steps)"
     )
     submit.set_defaults(handler=_submit)
@@ -371,6 +377,26 @@ def _print_run(run: Any, as_json: bool) -> None:
         out(f"\n{'STEP':>6} {'LOSS':>14} {'STEP (ms)':>10}")
         for step, (loss, time_us) in enumerate(zip(run.losses, run.step_times_us, strict=True)):
             out(f"{step:>6} {loss:>14.8g} {time_us / 1e3:>10.2f}")
+    out("")
+    out(_prediction(run))
+
+
+def _prediction(run: Any) -> str:
+    """The predicted step time beside the measured median (the first step, warm-up, left out when others are)."""
+    import statistics  # noqa: PLC0415
+
+    if not run.predicted_step_time_us:
+        return "predicted: none (submit with --profile PROFILE to have the coordinator predict the step time)"
+    predicted = run.predicted_step_time_us / 1e3
+    times = list(run.step_times_us)
+    if not times:
+        return f"predicted {predicted:.2f} ms/step; nothing measured yet"
+    measured = statistics.median(times[1:] if len(times) > 1 else times) / 1e3
+    skipped = ", the first left out" if len(times) > 1 else ""
+    return (
+        f"predicted {predicted:.2f} ms/step; measured {measured:.2f} ms (median of {max(len(times) - 1, 1)} "
+        f"steps{skipped}): error {(predicted - measured) / measured:+.1%}"
+    )
 
 
 def _print_runs(runs: list[Any], as_json: bool) -> None:
@@ -395,9 +421,10 @@ def _finish(client: Any, run_id: str, wait_s: float, as_json: bool) -> int:
 def _submit(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan)
-    profile = None
-    if args.adapt is not None:
-        profile = load_profile(args.adapt)
+    if args.adapt is not None and args.profile is not None:
+        raise ValueError("--profile and --adapt PROFILE: give the profile once (--adapt's predicts too)")
+    adapt_profile = load_profile(args.adapt) if args.adapt is not None else None
+    profile = load_profile(args.profile) if args.profile is not None else None
 
     def action(client: Any) -> int:
         run_id = client.submit(
@@ -406,8 +433,9 @@ def _submit(args: argparse.Namespace) -> int:
             run_id=args.run_id,
             checkpoint_every=args.checkpoint_every,
             seed=args.seed,
-            adapt_profile=profile,
+            adapt_profile=adapt_profile,
             adapt_after_steps=args.adapt_after,
+            profile=profile,
         )
         return _finish(client, run_id, args.wait, args.json)
 

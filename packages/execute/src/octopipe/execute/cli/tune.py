@@ -17,12 +17,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from google.protobuf import json_format
-from google.protobuf.message import DecodeError
 from rich.console import Console
 from rich.table import Table
 
 from octopipe.execute.cli.jsonout import estimate_json
+from octopipe.execute.cli.profile import load_profile
 from octopipe.ir import plan_to_text, save_plan
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import Estimate, GroupLinks, Link, local_link
@@ -37,7 +36,7 @@ from octopipe.tune import (
     tune_mesh,
 )
 
-__all__ = ["load_profile", "parse_bytes", "register", "run"]
+__all__ = ["parse_bytes", "register", "run"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -95,25 +94,6 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("out/tuned.binpb"), help="plan file (.binpb/.pb or .json)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
-
-
-def load_profile(path: Path) -> profile_pb2.Profile:
-    """Read a Profile from binary proto (.binpb/.pb) or proto JSON (.json); ValueError naming the file otherwise."""
-    if path.suffix not in (".binpb", ".pb", ".json"):
-        raise ValueError(f"{path}: give a profile as .binpb, .pb or .json")
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
-    profile = profile_pb2.Profile()
-    try:
-        if path.suffix == ".json":
-            json_format.Parse(data.decode(), profile)
-        else:
-            profile.ParseFromString(data)
-    except (json_format.ParseError, DecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not an octopipe.profile.v1.Profile: {exc}") from None
-    return profile
 
 
 def run(args: argparse.Namespace) -> int:

@@ -66,14 +66,20 @@ class ControlClient:
         seed: int = 0,
         adapt_profile: profile_pb2.Profile | None = None,
         adapt_after_steps: int = 0,
+        profile: profile_pb2.Profile | None = None,
     ) -> str:
-        """Submit a plan; with ``adapt_profile`` the coordinator re-tunes it from measured steps (closed loop)."""
+        """Submit a plan; with ``adapt_profile`` the coordinator re-tunes it from measured steps (closed loop);
+        with ``profile`` (or ``adapt_profile``) it predicts the step time (``Run.predicted_step_time_us``)."""
+        if adapt_profile is not None and profile is not None:
+            raise ValueError("give the profile once: adapt_profile is also the one the prediction uses")
         request = coordinator_pb2.SubmitPlanRequest(
             plan=plan, num_steps=steps, run_id=run_id, checkpoint_every=checkpoint_every, seed=seed
         )
         if adapt_profile is not None:
             request.adapt, request.adapt_after_steps = True, adapt_after_steps
             request.profile.CopyFrom(adapt_profile)
+        elif profile is not None:
+            request.profile.CopyFrom(profile)
         try:
             return self._stub.SubmitPlan(request, timeout=RPC_DEADLINE_S).run_id
         except grpc.RpcError as exc:

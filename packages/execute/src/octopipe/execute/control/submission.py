@@ -12,9 +12,18 @@ import re
 from octopipe.coordinator.v1 import coordinator_pb2
 from octopipe.ir import PlanError, mesh_spec
 from octopipe.plan.v1 import plan_pb2
+from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import VerificationError, verify_plan
 
-__all__ = ["MAX_ACTIONS", "MAX_MICROBATCHES", "MAX_RANKS", "adapt_problem", "check_plan", "run_id_problem"]
+__all__ = [
+    "MAX_ACTIONS",
+    "MAX_MICROBATCHES",
+    "MAX_RANKS",
+    "adapt_problem",
+    "check_plan",
+    "profile_problem",
+    "run_id_problem",
+]
 
 #: a run id names folders (the coordinator's state, a daemon's work folder): never a path
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
@@ -67,14 +76,21 @@ def check_plan(plan: plan_pb2.Plan, *, num_steps: int = 0, like: plan_pb2.Plan |
     return ""
 
 
+def profile_problem(plan: plan_pb2.Plan, profile: profile_pb2.Profile) -> str:
+    """Why ``profile`` cannot cost ``plan`` (empty when it can): a layer of the plan it has no cost for."""
+    profiled = {layer.layer_name for layer in profile.layers}
+    missing = sorted({name for stage in plan.stages for name in stage.layer_names} - profiled)
+    if missing:
+        return f"the profile has no costs for layers {missing[:5]}: profile the plan's model"
+    return ""
+
+
 def adapt_problem(request: coordinator_pb2.SubmitPlanRequest) -> str:
     """What keeps a submission from running with the closed loop (empty when nothing)."""
     if not request.HasField("profile") or not request.profile.layers:
         return "adapt needs the plan's profile (from `octopipe profile`) in the submission"
-    profiled = {layer.layer_name for layer in request.profile.layers}
-    missing = sorted({name for stage in request.plan.stages for name in stage.layer_names} - profiled)
-    if missing:
-        return f"the profile has no costs for layers {missing[:5]}: profile the plan's model"
+    if problem := profile_problem(request.plan, request.profile):
+        return problem
     if request.num_steps and request.num_steps <= (request.adapt_after_steps or 3) + 1:
         return "adapt needs more steps than adapt_after_steps + 1 to measure before switching"
     return ""

@@ -101,6 +101,7 @@ class ClosedLoop:
                     else:
                         entry.plan = result.plan
                         entry.submit.plan.CopyFrom(result.plan)
+                        entry.run.predicted_step_time_us = result.best_us  # with the calibrated costs
                     records.save(entry)
             records.log.info("adapted", run=entry.run.run_id, report=entry.run.adapt_report)
         except Exception as exc:  # the run goes on with its plan

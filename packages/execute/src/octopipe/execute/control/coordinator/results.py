@@ -1,5 +1,5 @@
 """A run's results from its step metrics: the loss and the step time of every step, as ``octopipe runs RUN``
-shows them and ``GetRun`` returns them."""
+shows them and ``GetRun`` returns them; and the step time the simulator predicts for the run's plan."""
 
 from __future__ import annotations
 
@@ -8,8 +8,19 @@ from collections.abc import Iterable
 from octopipe.ir import mesh_spec
 from octopipe.node.v1 import node_pb2
 from octopipe.plan.v1 import plan_pb2
+from octopipe.profile.v1 import profile_pb2
+from octopipe.simulate import local_cost_model, simulate
 
-__all__ = ["step_results"]
+__all__ = ["predicted_step_us", "step_results"]
+
+
+def predicted_step_us(plan: plan_pb2.Plan, profile: profile_pb2.Profile) -> float:
+    """The simulator's step time for ``plan`` with ``profile``'s layer costs and links (the local gloo link
+    where the profile measured none); 0 when the profile has no layers. The caller checked that it covers
+    the plan's layers (``submission.profile_problem``)."""
+    if not profile.layers:
+        return 0.0
+    return simulate(plan, local_cost_model(plan, profile)).estimate.step_time_us
 
 
 def step_results(plan: plan_pb2.Plan, metrics: Iterable[node_pb2.StepMetrics]) -> tuple[list[float], list[float]]:

@@ -24,12 +24,12 @@ from octopipe.execute.checkpoint_files import latest_checkpoint
 from octopipe.execute.control.common import TERMINAL_STATES, Server, start_server, state_name
 from octopipe.execute.control.coordinator.closed_loop import ClosedLoop
 from octopipe.execute.control.coordinator.records import CoordinatorConfig, Records, RunRecord
-from octopipe.execute.control.coordinator.results import step_results
+from octopipe.execute.control.coordinator.results import predicted_step_us, step_results
 from octopipe.execute.control.coordinator.scheduler import RunScheduler
 from octopipe.execute.control.pushes import RunPusher
 from octopipe.execute.control.security import ADMIN, COORDINATOR, NODE, CertPaths, Claims, require_identity
 from octopipe.execute.control.state import StateLock
-from octopipe.execute.control.submission import adapt_problem, check_plan, run_id_problem
+from octopipe.execute.control.submission import adapt_problem, check_plan, profile_problem, run_id_problem
 from octopipe.node.v1 import node_pb2
 
 __all__ = ["Coordinator"]
@@ -165,6 +165,8 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
         problem = problem or check_plan(request.plan, num_steps=request.num_steps)
         if not problem and request.adapt:
             problem = adapt_problem(request)
+        elif not problem and request.profile.layers:
+            problem = profile_problem(request.plan, request.profile)
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         run_id = request.run_id or uuid.uuid4().hex[:12]
@@ -172,7 +174,11 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
         submit.CopyFrom(request)
         submit.run_id = run_id
         run = coordinator_pb2.Run(
-            run_id=run_id, state=node_pb2.RUN_STATE_QUEUED, plan_version=1, num_steps=request.num_steps
+            run_id=run_id,
+            state=node_pb2.RUN_STATE_QUEUED,
+            plan_version=1,
+            num_steps=request.num_steps,
+            predicted_step_time_us=predicted_step_us(request.plan, request.profile),
         )
         if request.checkpoint_every:
             root = self.config.checkpoint_root or (self.config.state_dir / "checkpoints")
@@ -235,11 +241,14 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 )
             plan = request.plan if request.HasField("plan") else entry.plan
             problem = check_plan(plan, num_steps=run.num_steps, like=entry.plan)
+            if not problem and entry.submit.profile.layers:
+                problem = profile_problem(plan, entry.submit.profile)
             if problem:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
             step = latest_checkpoint(run.checkpoint_dir)
             entry.plan = plan
             entry.submit.plan.CopyFrom(plan)
+            run.predicted_step_time_us = predicted_step_us(plan, entry.submit.profile)
             run.last_checkpoint_step = step
             run.completed_steps = step
             run.plan_version += 1
