@@ -202,7 +202,7 @@ def test_a_run_that_does_not_fit_says_why_and_does_not_hold_back_one_that_does(
         assert (data["run_id"], data["state"], data["completed_steps"]) == ("fits", "done", 1)
         assert main(["nodes", "--coordinator", address, "--certs", certs]) == 0
         lines = _printed(capsys, "NODE ")
-        assert lines[0].split() == ["NODE", "ADDRESS", "SLOTS", "STATE", "HEARTBEAT", "RUN"]
+        assert lines[0].split() == ["NODE", "ADDRESS", "SLOTS", "STATE", "HEARTBEAT", "RUN", "GPUS"]
         fields = lines[1].split()
         assert (fields[0], fields[2], fields[3]) == ("n0", "1", "alive")
         client.cancel(big)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from octopipe.execute.devices import RUN_DEVICES, rank_device
 from octopipe.ir import action_from_proto, action_to_proto, format_action, parse_action
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
@@ -55,7 +56,9 @@ class RunOptions:
     ``numerics_check`` (whole-model capture): before the first step every rank checks that its stages
     reproduce the model's own forward on one micro-batch and refuses to train, naming the stage, if not.
     ``measure_memory`` runs one more pipeline step (no update) after the timed ones under the allocator
-    meter (``RunResult.memory``).
+    meter (``RunResult.memory``). ``device``: ``cpu`` (gloo) or ``cuda`` (NCCL; local rank r on GPU r of
+    its machine, ``octopipe.execute.devices``). ``deterministic``: torch's deterministic kernels on every
+    rank (``transform.Device.make_deterministic``; on CUDA a run is then bitwise reproducible).
     """
 
     steps: int = 1
@@ -74,10 +77,14 @@ class RunOptions:
     resume: bool = False
     numerics_check: bool = True
     measure_memory: bool = False
+    device: str = "cpu"
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cpus", tuple(self.cpus))  # a list given by a caller becomes a tuple
         problems = []
+        if self.device not in RUN_DEVICES:
+            problems.append(f"device must be one of {', '.join(RUN_DEVICES)}, got {self.device!r}")
         if self.steps < 0:  # 0: nothing to run (a run resumed from its last step's checkpoint)
             problems.append(f"steps must be >= 0, got {self.steps}")
         if self.timeout_s <= 0:
@@ -132,6 +139,10 @@ class WorkerConfig:
     #: after the timed steps, one more pipeline step (no optimizer update) under the allocator meter
     #: (runtime.memory); its result is each plan's ``memory``
     measure_memory: bool = False
+    #: where this rank computes: ``cpu`` or ``cuda:N`` (``transform.Device.parse``)
+    device: str = "cpu"
+    #: torch's deterministic kernels (``transform.Device.make_deterministic``)
+    deterministic: bool = False
 
     @classmethod
     def for_rank(
@@ -147,9 +158,11 @@ class WorkerConfig:
         store_is_master: bool = False,
         die_with_parent: bool = False,
         adaptive: bool = False,
+        local_rank: int | None = None,
     ) -> WorkerConfig:
         """Rank ``rank``'s orders from the run's options: the one place a WorkerConfig is built (the local
-        launcher, the node daemon and ``octopipe run --torchrun`` all call it)."""
+        launcher, the node daemon and ``octopipe run --torchrun`` all call it). ``local_rank``: the rank's
+        index on its machine (its GPU with ``device="cuda"``); default ``rank`` (every rank on one machine)."""
         return cls(
             plans=tuple(plans),
             rank=rank,
@@ -175,6 +188,8 @@ class WorkerConfig:
             adaptive=adaptive,
             numerics_check=options.numerics_check,
             measure_memory=options.measure_memory,
+            device=rank_device(options.device, rank if local_rank is None else local_rank),
+            deterministic=options.deterministic,
         )
 
 

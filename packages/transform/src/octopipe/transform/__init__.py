@@ -12,7 +12,7 @@ OVERLAP_F_B, cost models); and the profiler.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from octopipe.transform.allocator import AllocatorPeak
+from octopipe.transform.allocator import AllocatorPeak, CudaAllocatorPeak
 from octopipe.transform.bw_split import BWSplit, split_backward
 from octopipe.transform.compiler import BackwardKind, CompiledStage, StageCompiler, compile_fsdp_stage, compile_stage
 from octopipe.transform.costs import (
@@ -24,6 +24,7 @@ from octopipe.transform.costs import (
     roofline_costs,
     table_costs,
 )
+from octopipe.transform.device import CPU, Device, DeviceError, GpuInfo, visible_gpus
 from octopipe.transform.executable import ForwardContext, StageExecutable, WeightContext
 from octopipe.transform.fsdp import ShardConfig, ShardSpec, shard_parameters, shard_specs, unshard_tensor
 from octopipe.transform.fsdp_split import NOT_HANDLED, FSDPGraphs, FSDPStage, ParamChain, split_fsdp
@@ -37,6 +38,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "CPU",
     "NOT_HANDLED",
     "AllocatorPeak",
     "BWSplit",
@@ -44,9 +46,13 @@ __all__ = [
     "CommOverlap",
     "CompiledStage",
     "CostModel",
+    "CudaAllocatorPeak",
+    "Device",
+    "DeviceError",
     "FSDPGraphs",
     "FSDPStage",
     "ForwardContext",
+    "GpuInfo",
     "Multiplexed",
     "OverlapReport",
     "OverlapResult",
@@ -79,4 +85,5 @@ __all__ = [
     "storage_bytes",
     "table_costs",
     "unshard_tensor",
+    "visible_gpus",
 ]

@@ -20,30 +20,21 @@ import torch
 from torch._C._autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["AllocatorPeak"]
+__all__ = ["AllocatorPeak", "CudaAllocatorPeak"]
 
 
 class AllocatorPeak:
-    """``with AllocatorPeak() as meter: ...`` then ``meter.peak_bytes`` / ``meter.end_bytes`` (above the start).
+    """``with AllocatorPeak() as meter: ...`` then ``meter.peak_bytes`` / ``meter.end_bytes`` (above the start):
+    CPU allocations, from the profiler's memory events summed in time order. ``Device.memory_window()`` picks
+    this or :class:`CudaAllocatorPeak` for a rank's device."""
 
-    On CPU: the profiler's memory events, summed in time order. On CUDA
-    (``device="cuda"``): ``torch.cuda.max_memory_allocated`` above the start.
-    """
-
-    def __init__(self, device: str = "cpu") -> None:
-        self.device = device
+    def __init__(self) -> None:
         self.peak_bytes = 0
         self.end_bytes = 0
         self.allocations = 0
         self._profile: profile | None = None
-        self._start = 0
 
     def __enter__(self) -> AllocatorPeak:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self._start = torch.cuda.memory_allocated()
-            return self
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
         self._profile.__enter__()
         return self
@@ -51,11 +42,6 @@ class AllocatorPeak:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            self.peak_bytes = torch.cuda.max_memory_allocated() - self._start
-            self.end_bytes = torch.cuda.memory_allocated() - self._start
-            return
         assert self._profile is not None
         self._profile.__exit__(kind, error, trace)
         if kind is not None:
@@ -73,3 +59,32 @@ class AllocatorPeak:
             peak = max(peak, total)
             self.allocations += nbytes > 0
         self.peak_bytes, self.end_bytes = peak, total
+
+
+class CudaAllocatorPeak:
+    """The same window on one GPU: ``torch.cuda.max_memory_allocated`` above the start, after
+    ``reset_peak_memory_stats``; the window waits for the GPU at both ends (it measures, so it may).
+    ``allocations`` is the allocator's count of allocations made in the window."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.peak_bytes = 0
+        self.end_bytes = 0
+        self.allocations = 0
+        self._start = 0
+        self._count = 0
+
+    def __enter__(self) -> CudaAllocatorPeak:
+        torch.cuda.synchronize(self.index)
+        torch.cuda.reset_peak_memory_stats(self.index)
+        self._start = torch.cuda.memory_allocated(self.index)
+        self._count = int(torch.cuda.memory_stats(self.index).get("allocation.all.allocated", 0))
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        torch.cuda.synchronize(self.index)
+        self.peak_bytes = torch.cuda.max_memory_allocated(self.index) - self._start
+        self.end_bytes = torch.cuda.memory_allocated(self.index) - self._start
+        self.allocations = int(torch.cuda.memory_stats(self.index).get("allocation.all.allocated", 0)) - self._count

@@ -189,7 +189,7 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     )
     metrics.set_defaults(handler=_metrics)
 
-    nodes = sub.add_parser("nodes", help="list the coordinator's nodes: slots, liveness, heartbeat age, run")
+    nodes = sub.add_parser("nodes", help="list the coordinator's nodes: slots, liveness, heartbeat age, run, GPUs")
     client_options(nodes)
     nodes.set_defaults(handler=_nodes)
 
@@ -486,16 +486,26 @@ def _nodes(args: argparse.Namespace) -> int:
         if not nodes:
             out("no nodes registered")
             return 0
-        out(f"{'NODE':<16} {'ADDRESS':<22} {'SLOTS':>5} {'STATE':<6} {'HEARTBEAT':>9}  RUN")
+        out(f"{'NODE':<16} {'ADDRESS':<22} {'SLOTS':>5} {'STATE':<6} {'HEARTBEAT':>9}  {'RUN':<16} GPUS")
         for n in nodes:
             state = "alive" if n.alive else "lost"
             out(
                 f"{n.node_id:<16} {n.address:<22} {n.slots:>5} {state:<6} {n.heartbeat_age_seconds:>8.1f}s  "
-                f"{n.run_id or '-'}"
+                f"{n.run_id or '-':<16} {_gpus(n.gpus)}"
             )
         return 0
 
     return with_client(args, action)
+
+
+def _gpus(gpus: Any) -> str:
+    """``2 x NVIDIA H200 (139.8 GiB)``, one group per model; ``-`` for none."""
+    if not gpus:
+        return "-"
+    groups: dict[tuple[str, int], int] = {}
+    for gpu in gpus:
+        groups[(gpu.name, gpu.memory_bytes)] = groups.get((gpu.name, gpu.memory_bytes), 0) + 1
+    return ", ".join(f"{count} x {name} ({memory / 2**30:.1f} GiB)" for (name, memory), count in groups.items())
 
 
 def _cancel(args: argparse.Namespace) -> int:

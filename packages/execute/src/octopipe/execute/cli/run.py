@@ -14,6 +14,7 @@ from rich.table import Table
 from octopipe.execute.cli.jsonout import estimate_json, print_json
 from octopipe.execute.cli.profile import load_profile, save_profile
 from octopipe.execute.cli.progress import spinner
+from octopipe.execute.devices import RUN_DEVICES
 from octopipe.execute.runs import RunOptions, WorkerConfig
 from octopipe.ir import load_plan, mesh_spec
 from octopipe.plan.v1 import plan_pb2
@@ -37,7 +38,9 @@ def _cpu_list(text: str) -> tuple[int, ...]:
 
 def register(sub: Any, registry: ScheduleRegistry) -> None:
     """Add ``octopipe run`` to the CLI's subcommands."""
-    parser = sub.add_parser("run", help="run a plan on local CPU ranks (gloo) or join a torchrun launch")
+    parser = sub.add_parser(
+        "run", help="run a plan on local ranks (CPU and gloo, or --device cuda) or join a torchrun launch"
+    )
     parser.set_defaults(handler=run)
     parser.add_argument("plan", type=Path, help="plan file (.binpb, .json, .txt, .csv) naming its model")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
@@ -46,6 +49,12 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     parser.add_argument("--profile", type=Path, help="a Profile: also simulate the plan and compare")
     parser.add_argument("--trace", type=Path, help="write a Perfetto trace (simulated and measured side by side)")
     parser.add_argument("--timeline", type=Path, help="write the measured timelines as a Profile (.binpb/.json)")
+    parser.add_argument(
+        "--device",
+        choices=RUN_DEVICES,
+        default="cpu",
+        help="where ranks compute: cpu (gloo) or cuda (NCCL; local rank r on GPU r, torchrun's LOCAL_RANK)",
+    )
     parser.add_argument("--no-pin", action="store_true", help="do not pin each rank to its own core")
     parser.add_argument(
         "--cpus", type=_cpu_list, default=(), help="cores to pin ranks to, e.g. 0,1 or 0-3 (default: every online CPU)"
@@ -90,7 +99,9 @@ def _join_torchrun(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         pin_cores=not args.no_pin,
         numerics_check=not args.skip_numerics_check,
+        device=args.device,
     )
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # torchrun's: this rank's index on its machine (its GPU)
     worker_main(
         WorkerConfig.for_rank(
             options,
@@ -101,6 +112,7 @@ def _join_torchrun(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
             store_port=port,
             store_is_master=rank == 0 and not agent_store,
             result_dir=str(args.out),
+            local_rank=local_rank,
         )
     )
     sys.stdout.write(f"rank {rank}: results in {args.out / f'rank{rank}.pt'}\n")
@@ -125,7 +137,9 @@ def run(args: argparse.Namespace) -> int:
         return _join_torchrun(plan, args)
     simulation = simulate(plan, local_cost_model(plan, load_profile(args.profile))) if args.profile else None
 
-    with spinner(f"running {args.steps} steps on {len(plan.ranks)} local ranks ...", enabled=not args.json):
+    with spinner(
+        f"running {args.steps} steps on {len(plan.ranks)} local ranks ({args.device}) ...", enabled=not args.json
+    ):
         result = run_local(
             plan,
             RunOptions(
@@ -136,11 +150,12 @@ def run(args: argparse.Namespace) -> int:
                 cpus=args.cpus,
                 strict_pinning=args.strict_pinning,
                 numerics_check=not args.skip_numerics_check,
+                device=args.device,
             ),
         )
     times = measured_step_times_us(result)
     if args.timeline:
-        message = profile_pb2.Profile(device="cpu")
+        message = profile_pb2.Profile(device=args.device)
         message.model.CopyFrom(plan.model)
         message.timelines.extend(timelines_to_proto(result))
         save_profile(message, args.timeline)

@@ -50,6 +50,7 @@ from octopipe.execute.control.security import (
     secure_channel,
 )
 from octopipe.execute.control.submission import run_id_problem
+from octopipe.execute.devices import Gpu, backend_device, backend_problem, probe_gpus
 from octopipe.execute.processes import free_port
 from octopipe.execute.runs import WORKLOAD_SOURCE, RunOptions, WorkerConfig, same_layout
 from octopipe.ir import PlanError, mesh_spec
@@ -94,6 +95,8 @@ class NodeConfig:
     stop_grace_s: float = 3.0
     fence_after_s: float = 6.0
     pin_cores: bool = True
+    #: the GPUs this node offers; None: what ``nvidia-smi`` lists (``devices.probe_gpus``)
+    gpus: tuple[Gpu, ...] | None = None
 
 
 @dataclass
@@ -141,6 +144,7 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
         self.heartbeat_interval_s = 0.5
         self._registered = False
         self._backoff_s = _FIRST_BACKOFF_S
+        self.gpus: tuple[Gpu, ...] = tuple(probe_gpus()) if config.gpus is None else config.gpus
 
     # -- life cycle -------------------------------------------------------------------------------
     @property
@@ -189,6 +193,10 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
 
     def _register(self) -> None:
         devices = [coordinator_pb2.Device(kind="cpu", index=i, name="cpu") for i in range(self.config.slots)]
+        devices += [
+            coordinator_pb2.Device(kind="cuda", index=g.index, name=g.name, memory_bytes=g.memory_bytes)
+            for g in self.gpus
+        ]
         request = coordinator_pb2.RegisterNodeRequest(
             node_id=self.config.node_id, address=self.address, devices=devices
         )
@@ -374,8 +382,11 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
             return f"assignment ranks {ranks} must be distinct ranks below {world}"
         if len(ranks) > self.config.slots:
             return f"{len(ranks)} ranks assigned, but node {self.config.node_id} has {self.config.slots} slots"
-        if assignment.backend not in ("", "gloo"):
-            return f"backend {assignment.backend!r} is not available on this node: use gloo"
+        problem = backend_problem(
+            assignment.backend, len(ranks), len(self.gpus), world_size=world, where=f"node {self.config.node_id}"
+        )
+        if problem:
+            return problem
         source = request.plan.model.source
         if source != WORKLOAD_SOURCE and source not in self.config.allowed_model_sources:
             return f"model source {source!r} is not allowed here: start the daemon with --allow-model-source {source}"
@@ -415,9 +426,10 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
             checkpoint_dir=request.checkpoint_dir,
             checkpoint_every=request.checkpoint_every,
             resume=request.resume,
+            device=backend_device(assignment.backend),
         )
         run.events = self._context.Queue()
-        for rank in assignment.ranks:
+        for local_rank, rank in enumerate(assignment.ranks):
             config = WorkerConfig.for_rank(
                 options,
                 plans=[request.plan.SerializeToString()],
@@ -428,6 +440,7 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
                 result_dir=str(run.folder),
                 die_with_parent=True,
                 adaptive=request.adaptive,
+                local_rank=local_rank,
             )
             run.processes.append(start_rank(self._context, config, run.events))
             run.steps_done[rank] = request.start_step

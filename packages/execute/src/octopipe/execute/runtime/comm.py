@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from octopipe.ir.program import Program
+from octopipe.transform.device import CPU, Device
 
 __all__ = ["Aborted", "BufferSpec", "Channels", "CommTimeout"]
 
@@ -106,7 +107,8 @@ class Channels:
     ``buffer_spec(transfer)`` gives a receive buffer's shape and dtype, or a
     list of them for a transfer that carries several tensors. With a
     pp x dp mesh, ``peers`` maps each pipeline rank to the global rank of this
-    replica's copy of it, so messages go between matching replicas.
+    replica's copy of it, so messages go between matching replicas. Receive
+    buffers are made on ``device`` (the rank's).
     """
 
     def __init__(
@@ -119,8 +121,9 @@ class Channels:
         aborted: Callable[[], str | None],
         group: dist.ProcessGroup | None = None,
         peers: Mapping[int, int] | None = None,
+        device: Device = CPU,
     ) -> None:
-        self.program, self.rank = program, rank
+        self.program, self.rank, self.device = program, rank, device
         self.peers = dict(peers) if peers is not None else None
         self.buffer_spec, self.timeout_s, self.aborted, self.group = buffer_spec, timeout_s, aborted, group
         #: channel ("send", peer) or ("recv", peer) -> the transfers in the order they started, over all steps
@@ -163,7 +166,7 @@ class Channels:
         spec = self.buffer_spec(transfer)
         single = isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], torch.dtype)
         specs: Sequence[BufferSpec] = [spec] if single else spec  # type: ignore[list-item,assignment]
-        buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+        buffers = [self.device.empty(shape, dtype) for shape, dtype in specs]
         peer = self.program.sender[transfer][0]
         op = _Op(transfer, tuple(buffers), send=False)
         self._pending[transfer] = op

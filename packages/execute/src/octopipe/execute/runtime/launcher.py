@@ -29,6 +29,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from octopipe.execute.devices import gpu_problem
 from octopipe.execute.processes import free_port
 from octopipe.execute.runs import ABORT_KEY, RunFailed, RunOptions, RunResult, StepTimeline, WorkerConfig
 from octopipe.execute.runtime.pinning import shared_cores
@@ -36,12 +37,14 @@ from octopipe.execute.runtime.worker import worker_main
 from octopipe.ir import MeshSpec, mesh_spec
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import verify_plan
+from octopipe.transform import visible_gpus
 
 __all__ = ["run_local", "run_local_many"]
 
 
 def run_local(plan: plan_pb2.Plan, options: RunOptions | None = None) -> RunResult:
-    """Run ``plan`` on local CPU ranks (gloo, 127.0.0.1) as ``options`` say; see ``run_local_many``."""
+    """Run ``plan`` on local ranks (CPU and gloo, or ``options.device`` cuda: rank r on GPU r) on 127.0.0.1 as
+    ``options`` say; see ``run_local_many``. Results come back as CPU tensors."""
     return run_local_many([plan], options)[0]
 
 
@@ -66,6 +69,9 @@ def run_local_many(plans: Sequence[plan_pb2.Plan], options: RunOptions | None = 
             "plans run together must need the same number of processes (pipeline ranks x dp): "
             f"{[mesh.world_size for mesh in meshes]}"
         )
+    problem = gpu_problem(options.device, world, len(visible_gpus()))  # before any rank starts
+    if problem:
+        raise ValueError(problem)
     log = structlog.get_logger("octopipe.launcher")
     sharing = shared_cores(world, options.cpus) if options.pin_cores else ""
     if sharing and options.strict_pinning:
@@ -107,7 +113,9 @@ def run_local_many(plans: Sequence[plan_pb2.Plan], options: RunOptions | None = 
             first = errors[0].read_text().split("\n\n")[0] if errors else "a rank died without a message"
             codes = {p.name: p.exitcode for p in processes}
             raise RunFailed(f"{first} (exit codes {codes})")
-        results = [torch.load(Path(folder) / f"rank{r}.pt", weights_only=True) for r in range(world)]
+        results = [
+            torch.load(Path(folder) / f"rank{r}.pt", weights_only=True, map_location="cpu") for r in range(world)
+        ]
     merged: list[RunResult] = []
     for index, (plan, mesh) in enumerate(zip(plans, meshes, strict=True)):
         last = [results[mesh.global_rank(plan.stages[-1].rank, d)][index]["losses"] for d in range(mesh.dp)]

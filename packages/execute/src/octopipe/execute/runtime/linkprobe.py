@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 from octopipe.execute.processes import free_port
 from octopipe.execute.runtime.pinning import pin_rank
 from octopipe.profile.v1 import profile_pb2
+from octopipe.transform.device import CPU
 
 __all__ = ["DEFAULT_SIZES", "fit_link", "local_links", "measure_link"]
 
@@ -70,7 +71,7 @@ def _worker(rank: int, port: int, sizes: Sequence[int], repeats: int, timeout_s:
     pin_rank(rank)  # two distinct cores where the machine has two, never the inherited mask
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo",
+        CPU.backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=2,

@@ -32,8 +32,9 @@ from torch import nn
 
 from octopipe.execute.runs import WORKLOAD_SOURCE
 from octopipe.plan.v1 import plan_pb2
+from octopipe.transform.device import Device
 
-__all__ = ["BuiltModel", "build_model", "model_inputs", "workload_reference"]
+__all__ = ["BuiltModel", "build_model", "model_inputs", "on_device", "workload_reference"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,6 +51,19 @@ class BuiltModel:
             return self.model(inputs, targets)
         out = self.model(**model_inputs(self.input_names, inputs, targets))
         return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def on_device(built: BuiltModel, device: Device) -> BuiltModel:
+    """``built`` with its model moved to ``device`` (in place: built from the seed on the CPU first, so every
+    device starts from the same weights) and its batches made there (on the CPU: the same tensors)."""
+    device.put(built.model)
+    full = built.batch
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = full(step)
+        return device.put(inputs), device.put(targets)
+
+    return dataclasses.replace(built, batch=batch)
 
 
 def model_inputs(names: tuple[str, str], inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -3,6 +3,8 @@
 Same model, same data, same micro-batches: each micro-batch's loss is scaled
 by 1/m and back-propagated with eager autograd (gradients accumulate in
 micro-batch order), then AdamW steps — what every rank does for its stages.
+On ``device`` (default the CPU): built from the seed on the CPU and moved, as
+every rank's model is; the results come back as CPU tensors.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from octopipe.execute.runtime.models import build_model
+from octopipe.execute.runtime.models import build_model, on_device
 from octopipe.plan.v1 import plan_pb2
+from octopipe.transform.device import CPU, Device
 
 __all__ = ["ReferenceResult", "reference_run"]
 
@@ -31,19 +34,26 @@ def reference_run(
     steps: int = 1,
     seed: int = 0,
     learning_rate: float = 1e-3,
+    device: Device = CPU,
 ) -> ReferenceResult:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as on every rank: reductions split over threads can round differently
     try:
-        return _reference(model_reference, num_microbatches, steps, seed, learning_rate)
+        with device.current():
+            return _reference(model_reference, num_microbatches, steps, seed, learning_rate, device)
     finally:
         torch.set_num_threads(threads)
 
 
 def _reference(
-    model_reference: plan_pb2.ModelReference, num_microbatches: int, steps: int, seed: int, learning_rate: float
+    model_reference: plan_pb2.ModelReference,
+    num_microbatches: int,
+    steps: int,
+    seed: int,
+    learning_rate: float,
+    device: Device,
 ) -> ReferenceResult:
-    built = build_model(model_reference, seed=seed)
+    built = on_device(build_model(model_reference, seed=seed), device)
     model = built.model
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=learning_rate, foreach=False)
     scale = torch.ones(()) / num_microbatches
@@ -58,9 +68,9 @@ def _reference(
             (loss * scale).backward()
         losses.append(float(torch.stack(step_losses).sum() * scale))
         if step == 0:
-            first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            first = {n: CPU.put(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return ReferenceResult(
-        losses=losses, grads=first, params={n: p.detach().clone() for n, p in model.named_parameters()}
+        losses=losses, grads=first, params={n: CPU.put(p.detach()).clone() for n, p in model.named_parameters()}
     )

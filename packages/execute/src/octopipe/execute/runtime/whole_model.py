@@ -180,7 +180,7 @@ def reduce_tied(
                     raise RuntimeError(f"stage {stage} computed no gradient of {name!r} for micro-batches {missing}")
                 buffer = torch.stack([g for g in grads if g is not None])
             else:
-                buffer = torch.empty((m, *like.shape), dtype=like.dtype)
+                buffer = torch.empty((m, *like.shape), dtype=like.dtype, device=like.device)
             dist.broadcast(buffer, src=process_of_stage(stage))
             partials.append(buffer)
         total: torch.Tensor | None = None

@@ -33,15 +33,15 @@ from octopipe.execute.runs import ABORT_KEY, PLAN_KEY, ActionRecord, StepTimelin
 from octopipe.execute.runtime.checkpoint import load_checkpoint, save_checkpoint
 from octopipe.execute.runtime.comm import Channels
 from octopipe.execute.runtime.interpreter import RankRuntime
-from octopipe.execute.runtime.memory import AllocatorPeak, MemoryMeasurement, resident_bytes
+from octopipe.execute.runtime.memory import MemoryMeasurement, resident_bytes
 from octopipe.execute.runtime.mesh import MeshRank
-from octopipe.execute.runtime.models import BuiltModel, build_model
+from octopipe.execute.runtime.models import BuiltModel, build_model, on_device
 from octopipe.execute.runtime.pinning import pin_rank
 from octopipe.execute.runtime.stages import rank_stages, split_batch
 from octopipe.execute.runtime.whole_model import buffer_specs, guard, reduce_tied, tied_indices
 from octopipe.ir import compile_plan, stage_ranks
 from octopipe.plan.v1 import plan_pb2
-from octopipe.transform import StageCompiler, StageExecutable
+from octopipe.transform import Device, StageCompiler, StageExecutable
 
 __all__ = ["StepEvents", "publish_plan", "worker_main"]
 
@@ -83,6 +83,9 @@ def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
         if warning:
             structlog.get_logger("octopipe.worker").warning("rank_pinning", rank=rank, problem=warning)
     torch.set_num_threads(1)
+    device = Device.parse(config.device)
+    if config.deterministic:
+        device.make_deterministic()
     store = dist.TCPStore(
         config.store_host,
         config.store_port,
@@ -90,14 +93,15 @@ def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
         timeout=datetime.timedelta(seconds=config.timeout_s),
     )
     try:
+        device.activate()  # a device this machine lacks fails here, in one line, before the group forms
         dist.init_process_group(
-            "gloo",
+            device.backend,
             store=dist.PrefixStore("pg", store),
             rank=rank,
             world_size=config.world_size,
             timeout=datetime.timedelta(seconds=config.timeout_s),
         )
-        result = _run(config, store, events)
+        result = _run(config, store, events, device)
         for entry in result:
             entry["cores"] = cores  # where this rank ran, for every benchmark's record
         dist.destroy_process_group()  # not after a failure: a channel thread may still wait inside gloo
@@ -121,10 +125,12 @@ def publish_plan(store: dist.Store, switch: int, plan: plan_pb2.Plan) -> None:
     store.set(f"{PLAN_KEY}/{switch}", plan.SerializeToString())  # type: ignore[arg-type]  # bytes are taken as-is
 
 
-def _next_plan(store: dist.Store, rank: int, switches: int, plan: plan_pb2.Plan) -> plan_pb2.Plan | None:
+def _next_plan(
+    store: dist.Store, rank: int, switches: int, plan: plan_pb2.Plan, device: Device
+) -> plan_pb2.Plan | None:
     """Whether every rank switches plans now: rank 0 looks in the store and tells the others (a collective)."""
     key = f"{PLAN_KEY}/{switches + 1}"
-    flag = torch.tensor([1 if rank == 0 and store.check([key]) else 0], dtype=torch.int64)
+    flag = device.put(torch.tensor([1 if rank == 0 and store.check([key]) else 0], dtype=torch.int64))
     dist.broadcast(flag, src=0)
     if not flag.item():
         return None
@@ -142,6 +148,7 @@ def _measure_memory(
     stages: list[StageModule],
     mine: list[int],
     optimizer: torch.optim.Optimizer,
+    device: Device,
 ) -> dict[str, int]:
     """One more pipeline step of the next batch under the allocator meter; parameters are not updated."""
     step = config.start_step + config.steps
@@ -150,16 +157,18 @@ def _measure_memory(
     resident = resident_bytes(held)
     microbatches = split_batch(*built.batch(step), runtime.program.num_microbatches)
     dist.barrier()
-    with AllocatorPeak() as meter:
+    with device.memory_window() as meter:
         runtime.run_step(step, microbatches)
     runtime.zero_grads()
     return MemoryMeasurement(resident, meter.peak_bytes, meter.end_bytes, meter.allocations).as_json()
 
 
-def _run(config: WorkerConfig, store: dist.TCPStore, events: StepEvents | None) -> list[dict[str, object]]:
+def _run(
+    config: WorkerConfig, store: dist.TCPStore, events: StepEvents | None, device: Device
+) -> list[dict[str, object]]:
     compiler = StageCompiler()  # one per run: a plan switch that keeps a stage's layers reuses its graphs
     return [
-        _run_plan(config, plan_pb2.Plan.FromString(data), store, compiler, index, events)
+        _run_plan(config, plan_pb2.Plan.FromString(data), store, compiler, index, device, events)
         for index, data in enumerate(config.plans)
     ]
 
@@ -170,13 +179,15 @@ def _run_plan(
     store: dist.TCPStore,
     compiler: StageCompiler,
     plan_index: int,
+    device: Device,
     events: StepEvents | None = None,
 ) -> dict[str, object]:
     rank, m = config.rank, plan.num_microbatches
     mesh = MeshRank.create(plan, rank, config.world_size)  # a pp x dp mesh's groups (collective); see runtime.mesh
     prank = mesh.pipeline_rank  # the pipeline rank whose program this process runs (= rank without a mesh)
     placement = stage_ranks(plan)
-    built = mesh.replica_model(build_model(plan.model, seed=config.seed), m)  # batch(step): this replica's slice
+    # built from the seed on the CPU, then moved: every device starts from the same weights and data
+    built = on_device(mesh.replica_model(build_model(plan.model, seed=config.seed), m), device)
     mine = sorted(s for s, r in placement.items() if r == prank)
     compiled = rank_stages(plan, built, mine, mesh, compiler)  # every stage module; this rank's compiled
     stages, executables, boundaries = compiled.modules, compiled.executables, compiled.boundaries
@@ -202,6 +213,7 @@ def _run_plan(
             buffer_spec=buffer_specs(program, boundaries),
             timeout_s=config.timeout_s,
             aborted=aborted,
+            device=device,
         )
         return RankRuntime(
             rank=prank,
@@ -239,7 +251,7 @@ def _run_plan(
         fail_after = config.fail_at[1] if config.fail_at is not None and config.fail_at[0] == step else None
         recorder = _Recorder(fail_after)
         if config.adaptive:
-            switched = _next_plan(store, rank, switches, plan)
+            switched = _next_plan(store, rank, switches, plan, device)
             if switched is not None:  # a newer plan (same layout) from the closed loop, from this step on
                 plan, switches = switched, switches + 1
                 runtime.channels.close()
@@ -279,7 +291,7 @@ def _run_plan(
         timelines.append(timeline)
         if events is not None:
             events.put(timeline)
-    memory = _measure_memory(config, built, runtime, stages, mine, optimizer) if config.measure_memory else None
+    memory = _measure_memory(config, built, runtime, stages, mine, optimizer, device) if config.measure_memory else None
     runtime.channels.close()
     return {
         "memory": memory,

@@ -53,6 +53,8 @@ class NodeRecord:
     last_seen: float
     status: node_pb2.NodeStatus = field(default_factory=node_pb2.NodeStatus)
     alive: bool = True
+    #: the GPUs the node reported (``Device`` of kind ``cuda``)
+    gpus: list[coordinator_pb2.Device] = field(default_factory=list)
 
 
 @dataclass

@@ -9,6 +9,7 @@ of rank 0 is pushed first and answers with the rendezvous port, then the others.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from octopipe.coordinator.v1 import coordinator_pb2
 from octopipe.execute.checkpoint_files import latest_checkpoint
@@ -45,8 +46,9 @@ class RunScheduler:
         self._closed_loop.check()
 
     # -- nodes ------------------------------------------------------------------------------------
-    def register(self, node_id: str, address: str, slots: int) -> str:
-        """Record a node; refused ('' when taken) while another live daemon holds ``node_id`` elsewhere."""
+    def register(self, node_id: str, address: str, slots: int, gpus: Sequence[coordinator_pb2.Device] = ()) -> str:
+        """Record a node (its slots and the GPUs it reported); refused ('' when taken) while another live daemon
+        holds ``node_id`` elsewhere."""
         now = time.monotonic()
         with self._records.lock:
             known = self._records.nodes.get(node_id)
@@ -56,7 +58,7 @@ class RunScheduler:
                     f"{now - known.last_seen:.1f} s ago): stop that daemon, or start this one with another node id"
                 )
             self._records.nodes[node_id] = NodeRecord(
-                node_id=node_id, address=address, slots=slots, registered_at=now, last_seen=now
+                node_id=node_id, address=address, slots=slots, registered_at=now, last_seen=now, gpus=list(gpus)
             )
         self._records.log.info("node_registered", node=node_id, address=address, slots=slots)
         self._records.changed.notify()

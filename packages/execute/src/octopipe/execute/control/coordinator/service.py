@@ -30,6 +30,7 @@ from octopipe.execute.control.pushes import RunPusher
 from octopipe.execute.control.security import ADMIN, COORDINATOR, NODE, CertPaths, Claims, require_identity
 from octopipe.execute.control.state import StateLock
 from octopipe.execute.control.submission import adapt_problem, check_plan, profile_problem, run_id_problem
+from octopipe.execute.devices import is_gpu
 from octopipe.node.v1 import node_pb2
 
 __all__ = ["Coordinator"]
@@ -131,7 +132,9 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
     ) -> coordinator_pb2.RegisterNodeResponse:
         if not request.node_id or not request.address or not request.devices:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a node registers with its id, address and devices")
-        refused = self._scheduler.register(request.node_id, request.address, len(request.devices))
+        gpus = [d for d in request.devices if is_gpu(d.kind)]
+        slots = len(request.devices) - len(gpus)
+        refused = self._scheduler.register(request.node_id, request.address, slots, gpus)
         if refused:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, refused)
         return coordinator_pb2.RegisterNodeResponse(heartbeat_interval_ms=int(self.config.heartbeat_interval_s * 1e3))
@@ -313,6 +316,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     alive=n.alive,
                     heartbeat_age_seconds=now - n.last_seen,
                     run_id=holding.get(n.node_id, ""),
+                    gpus=n.gpus,
                 )
                 for n in sorted(records.nodes.values(), key=lambda n: n.registered_at)
             ]

@@ -1,0 +1,130 @@
+"""Which device each rank of a run gets, decided before any rank starts, without torch.
+
+A run asks for ``cpu`` (every rank on the CPU, gloo) or ``cuda`` (local rank r
+on GPU r of its machine, NCCL: the torchrun convention of ``LOCAL_RANK`` and
+``CUDA_VISIBLE_DEVICES``). NCCL refuses two ranks on one GPU, so a machine must
+have a GPU per rank it runs: :func:`gpu_problem` says so in one line, naming
+what to change. The node daemon learns its GPUs without torch from
+``nvidia-smi`` (:func:`probe_gpus`). The torch side of a device (moving
+tensors, the backend, the allocator) is ``octopipe.transform.Device``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+__all__ = [
+    "CPU_BACKEND",
+    "RUN_DEVICES",
+    "Gpu",
+    "backend_device",
+    "backend_problem",
+    "gpu_problem",
+    "is_gpu",
+    "probe_gpus",
+    "rank_device",
+]
+
+#: what a run may ask for
+RUN_DEVICES = ("cpu", "cuda")
+#: the process-group backend of CPU ranks (a push names its backend; GPU ranks use nccl)
+CPU_BACKEND = "gloo"
+_BACKENDS = {CPU_BACKEND: "cpu", "nccl": "cuda"}
+
+
+def is_gpu(kind: str) -> bool:
+    """Whether a node's reported device (its ``kind``) is a GPU rather than a CPU slot."""
+    return kind != "cpu"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU of a machine, as a node reports it."""
+
+    index: int
+    name: str
+    memory_bytes: int
+
+
+def rank_device(kind: str, local_rank: int) -> str:
+    """The device of the rank with index ``local_rank`` on its machine: ``cpu``, or ``cuda:<local_rank>``."""
+    if kind not in RUN_DEVICES:
+        raise ValueError(f"device must be one of {', '.join(RUN_DEVICES)}, got {kind!r}")
+    if local_rank < 0:
+        raise ValueError(f"local rank must be >= 0, got {local_rank}")
+    return "cpu" if kind == "cpu" else f"cuda:{local_rank}"
+
+
+def gpu_problem(
+    kind: str, ranks_here: int, gpus_here: int, *, world_size: int | None = None, where: str = "this machine"
+) -> str:
+    """Why ``ranks_here`` ranks (of ``world_size``, default ``ranks_here``) of a ``kind`` run cannot run on a
+    machine with ``gpus_here`` GPUs ('' if they can)."""
+    if kind != "cuda":
+        return ""
+    if gpus_here == 0:
+        return f"device cuda: {where} has no GPU that CUDA can use: run with device cpu, or on a machine with GPUs"
+    if ranks_here > gpus_here:
+        return (
+            f"device cuda: the plan puts {ranks_here} ranks on {where}, which has {gpus_here} GPU(s), and NCCL "
+            f"refuses two ranks on one GPU: tune the plan for {gpus_here} rank(s) per machine, or add machines"
+        )
+    if (world_size or ranks_here) > 1:
+        return (
+            f"device cuda: the plan has {world_size or ranks_here} ranks, and messages between GPU ranks (NCCL "
+            "point-to-point in the verified order) are not built yet: run it on cpu, or put every stage on one "
+            "rank (e.g. `octopipe plan show --example zb-v --ranks 1`) to run on one GPU"
+        )
+    return ""
+
+
+def backend_device(backend: str) -> str:
+    """The run device (``cpu`` or ``cuda``) of a push's backend (empty: the CPU's)."""
+    kind = _BACKENDS.get(backend or CPU_BACKEND)
+    if kind is None:
+        raise ValueError(f"backend {backend!r} is not known: use {' or '.join(_BACKENDS)}")
+    return kind
+
+
+def backend_problem(
+    backend: str, ranks_here: int, gpus_here: int, *, world_size: int, where: str = "this machine"
+) -> str:
+    """Why a node cannot run ``ranks_here`` ranks of a ``world_size``-rank run on ``backend`` ('' if it can);
+    an empty backend is the CPU's."""
+    try:
+        kind = backend_device(backend)
+    except ValueError as exc:
+        return str(exc)
+    return gpu_problem(kind, ranks_here, gpus_here, world_size=world_size, where=where)
+
+
+def probe_gpus(timeout_s: float = 10.0) -> list[Gpu]:
+    """The machine's GPUs from ``nvidia-smi`` (no torch, no CUDA context); empty where there is none or the
+    tool is missing. ``CUDA_VISIBLE_DEVICES`` (a list of indices) narrows them as CUDA would."""
+    tool = shutil.which("nvidia-smi")
+    if tool is None:
+        return []
+    try:
+        listed = subprocess.run(
+            [tool, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in listed.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 3 and fields[0].isdigit() and fields[2].isdigit():
+            gpus.append(Gpu(index=int(fields[0]), name=fields[1], memory_bytes=int(fields[2]) * 2**20))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        order = [int(v) for v in visible.split(",") if v.strip().isdigit()]
+        by_index = {g.index: g for g in gpus}
+        gpus = [Gpu(i, by_index[v].name, by_index[v].memory_bytes) for i, v in enumerate(order) if v in by_index]
+    return gpus
