@@ -38,7 +38,7 @@ class Attention(nn.Module):
         seq = x.shape[-2]
         positions = torch.arange(seq, dtype=torch.float32, device=x.device)
         angles = torch.outer(positions, self.inv_freq)
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # bf16 activations stay bf16
         x1, x2 = x[..., 0::2], x[..., 1::2]
         rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
         return rotated.flatten(-2)

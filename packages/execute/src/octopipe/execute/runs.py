@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from octopipe.execute.devices import RUN_DEVICES, rank_device
-from octopipe.ir import action_from_proto, action_to_proto, format_action, parse_action
+from octopipe.ir import (
+    PlanError,
+    action_from_proto,
+    action_to_proto,
+    compute_dtype,
+    format_action,
+    mesh_spec,
+    parse_action,
+)
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 
@@ -30,6 +38,7 @@ __all__ = [
     "RunResult",
     "StepTimeline",
     "WorkerConfig",
+    "precision_problem",
     "same_layout",
 ]
 
@@ -331,4 +340,19 @@ def same_layout(old: plan_pb2.Plan, new: plan_pb2.Plan) -> str:
         return "its micro-batch or rank count differs"
     if old.mesh.SerializeToString(deterministic=True) != new.mesh.SerializeToString(deterministic=True):
         return "its mesh differs"
+    return ""
+
+
+def precision_problem(plan: plan_pb2.Plan) -> str:
+    """Why the runtime cannot run ``plan``'s precision policy ('' when it can): bf16 runs on plans without
+    data parallelism for now (FSDP's collectives would reduce gradients in bf16, not float32)."""
+    try:
+        dtype, mesh = compute_dtype(plan), mesh_spec(plan)
+    except PlanError as exc:
+        return str(exc)
+    if dtype != "float32" and mesh.dp > 1:
+        return (
+            f"precision {dtype} with dp={mesh.dp}: mixed precision runs on plans without data parallelism for now "
+            "(gradients must reduce in float32): drop the mesh, or run float32"
+        )
     return ""

@@ -26,7 +26,16 @@ from octopipe.ir.grid import format_grid
 from octopipe.ir.lower import add_p2p_actions
 from octopipe.ir.merge import merge_backward
 from octopipe.ir.mesh import MeshSpec, mesh_spec
-from octopipe.ir.plan import PlanError, StageSpec, build_plan, rank_actions, stage_ranks, validate_plan
+from octopipe.ir.plan import (
+    COMPUTE_DTYPES,
+    PlanError,
+    StageSpec,
+    build_plan,
+    compute_dtype,
+    rank_actions,
+    stage_ranks,
+    validate_plan,
+)
 from octopipe.ir.program import Program, compile_plan
 from octopipe.ir.text import plan_from_text, plan_to_text
 from octopipe.ir.torch_csv import CsvFormat, plan_from_torch_csv, plan_to_torch_csv
@@ -37,6 +46,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "COMPUTE_DTYPES",
     "PLACEMENTS",
     "Action",
     "ActionCountError",
@@ -58,6 +68,7 @@ __all__ = [
     "add_p2p_actions",
     "build_plan",
     "compile_plan",
+    "compute_dtype",
     "format_action",
     "format_grid",
     "load_plan",

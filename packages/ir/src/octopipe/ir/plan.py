@@ -12,13 +12,28 @@ from octopipe.ir.plan_error import PlanError
 from octopipe.plan.v1 import plan_pb2
 
 __all__ = [
+    "COMPUTE_DTYPES",
     "PlanError",
     "StageSpec",
     "build_plan",
+    "compute_dtype",
     "rank_actions",
     "stage_ranks",
     "validate_plan",
 ]
+
+
+#: what a plan's ``precision.compute_dtype`` may name ("" reads as float32)
+COMPUTE_DTYPES: Final = ("float32", "bfloat16")
+
+
+def compute_dtype(plan: plan_pb2.Plan) -> str:
+    """The dtype the plan's parameters and activations are held and computed in: ``float32`` (also for no
+    ``precision``) or ``bfloat16``; PlanError for anything else."""
+    name = plan.precision.compute_dtype or "float32"
+    if name not in COMPUTE_DTYPES:
+        raise PlanError(f"precision.compute_dtype {name!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+    return name
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -115,6 +130,7 @@ def validate_plan(plan: plan_pb2.Plan) -> None:
                 )
             seen_layers[layer] = position
     mesh_spec(plan)
+    compute_dtype(plan)
     placement = stage_ranks(plan)
     m = plan.num_microbatches
     for program in plan.ranks:

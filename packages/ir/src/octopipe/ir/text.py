@@ -15,7 +15,8 @@ Example::
 
 The ``mesh`` line is present exactly when the plan has a ``mesh`` (dp and ep
 as stored, 0 included); an explicit global rank map follows as
-``mesh dp 2 ep 1 ranks [0, 2, 1, 3]``.
+``mesh dp 2 ep 1 ranks [0, 2, 1, 3]``. The ``precision`` line (``precision
+"bfloat16"``) is present exactly when the plan has a ``precision``.
 
 Strings are JSON (ASCII-escaped), so any name survives a round trip.
 Actions use the torch.distributed.pipelining text form.
@@ -58,6 +59,8 @@ def plan_to_text(plan: plan_pb2.Plan) -> str:
     if plan.HasField("mesh"):
         ranks = f" ranks {json.dumps(list(plan.mesh.global_ranks))}" if plan.mesh.global_ranks else ""
         lines.append(f"mesh dp {plan.mesh.dp} ep {plan.mesh.ep}{ranks}")
+    if plan.HasField("precision"):
+        lines.append(f"precision {_quote(plan.precision.compute_dtype)}")
     lines.extend(f"label {_quote(k)} {_quote(plan.labels[k])}" for k in sorted(plan.labels))
     for stage in plan.stages:
         names = json.dumps(list(stage.layer_names), ensure_ascii=True)
@@ -105,6 +108,9 @@ def _parse_line(plan: plan_pb2.Plan, line: str) -> None:
         plan.mesh.dp, plan.mesh.ep = int(match.group(1)), int(match.group(2))
         if match.group(3) is not None:
             plan.mesh.global_ranks.extend(json.loads(match.group(3)))
+    elif key == "precision":
+        plan.precision.SetInParent()
+        plan.precision.compute_dtype = _string(rest)
     elif key == "stage" and (match := _STAGE_RE.fullmatch(line)):
         names = json.loads(match.group(3))
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
@@ -118,7 +124,7 @@ def _parse_line(plan: plan_pb2.Plan, line: str) -> None:
             program.actions.append(action_to_proto(parse_action(token)))
     else:
         raise ValueError(
-            "expected one of: name, version, model, microbatches, 'mesh dp D ep E [ranks [...]]', label, "
+            "expected one of: name, version, model, microbatches, 'mesh dp D ep E [ranks [...]]', precision, label, "
             "'stage N rank R [layers]', 'rank R [cap BYTES]: actions'"
         )
 

@@ -29,9 +29,13 @@ from octopipe.transform.executable import StageExecutable
 __all__ = ["ProfilerConfig", "format_profile", "profile_layers", "profile_stages", "storage_bytes"]
 
 
+#: bytes per element of what gradients accumulate in and the optimizer steps (float32)
+_MASTER_BYTES = 4
+
+
 @dataclass(kw_only=True, frozen=True)
 class ProfilerConfig:
-    """How to profile. ``optimizer_state_factor``: optimizer bytes per parameter byte (AdamW: 2)."""
+    """How to profile. ``optimizer_state_factor``: optimizer state bytes per float32 weight byte (AdamW: 2)."""
 
     repeats: int = 5
     warmup: int = 2
@@ -260,8 +264,12 @@ def _layer_cost(exe: StageExecutable, inputs: list[torch.Tensor], config: Profil
     cost.backward_input_kept_bytes = kept
     params = [p for p in exe.params]
     cost.parameter_bytes = sum(p.numel() * p.element_size() for p in params)
-    cost.gradient_bytes = cost.parameter_bytes
-    cost.optimizer_state_bytes = int(cost.parameter_bytes * config.optimizer_state_factor)
+    # as the runtime holds them (octopipe.execute.runtime.precision): weight gradients accumulate in float32
+    # and the optimizer steps float32 weights, the parameters themselves or float32 masters of bf16 ones
+    master = sum(p.numel() for p in params) * _MASTER_BYTES
+    cost.gradient_bytes = master
+    copies = sum(p.numel() * _MASTER_BYTES for p in params if p.dtype != torch.float32)
+    cost.optimizer_state_bytes = int(master * config.optimizer_state_factor) + copies
     return cost
 
 

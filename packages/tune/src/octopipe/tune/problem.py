@@ -162,6 +162,7 @@ class Evaluator:
         # OVERLAP_F_B units cost F + B by default: overlapping hides communication, not compute
         self.overlap = overlap if overlap is not None else OverlapModel(hidden_fraction=0.0)
         self.model = profile.model
+        self.precision = profile.precision if profile.HasField("precision") else None
         self.tied = tuple(profile.tied_parameters)
         self.evaluations = 0
         self._library: dict[str, dict[int, list[Action]] | None] = {}
@@ -217,6 +218,8 @@ class Evaluator:
         lowered = add_p2p_actions(compute, placement)
         plan = plan_pb2.Plan(name=name, num_microbatches=self.m)
         plan.model.CopyFrom(self.model)
+        if self.precision is not None:  # the dtypes the costs were measured in are the ones the plan runs
+            plan.precision.CopyFrom(self.precision)
         for s, rank in enumerate(candidate.placement):
             names = self.layers.names[candidate.bounds[s] : candidate.bounds[s + 1]]
             plan.stages.add(stage_index=s, rank=rank, layer_names=names)

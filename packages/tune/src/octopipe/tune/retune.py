@@ -133,6 +133,8 @@ def retune(
     chosen = plan_pb2.Plan()
     chosen.CopyFrom(best_plan)
     chosen.model.CopyFrom(plan.model)
+    if plan.HasField("precision"):
+        chosen.precision.CopyFrom(plan.precision)
     if plan.HasField("mesh"):
         chosen.mesh.CopyFrom(plan.mesh)
     chosen.labels["schedule"] = best_name

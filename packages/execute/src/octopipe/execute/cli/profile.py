@@ -12,6 +12,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from octopipe.execute.cli.progress import spinner
+from octopipe.ir import COMPUTE_DTYPES
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.tune import ScheduleRegistry
@@ -28,6 +29,13 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     parser.add_argument("--sequence", type=int, help="tokens per sequence (default: the workload's)")
     parser.add_argument("--microbatch-size", type=int, help="sequences per micro-batch (default: the workload's)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per graph (median reported)")
+    parser.add_argument(
+        "--precision",
+        choices=COMPUTE_DTYPES,
+        default="float32",
+        help="the dtype layers hold and compute in (bfloat16: float32 master weights and gradients); recorded in "
+        "the Profile, and plans tuned from it run in it",
+    )
     parser.add_argument("--link", action="store_true", help="also measure the gloo link between two local ranks")
     parser.add_argument("--ranks", type=int, default=2, help="--link: write the local link for every pair of N ranks")
     parser.add_argument("--out", type=Path, default=Path("out/profile.binpb"), help=".binpb or .json")
@@ -57,7 +65,7 @@ def load_profile(path: Path) -> profile_pb2.Profile:
         if path.suffix in (".binpb", ".pb"):
             return profile_pb2.Profile.FromString(data)
     except Exception as exc:  # DecodeError, ParseError, UnicodeDecodeError
-        raise ValueError(f"{path}: not a valid profile: {exc}") from None
+        raise ValueError(f"{path}: not an octopipe.profile.v1.Profile: {exc}") from None
     raise ValueError(f"{path}: a profile is a .binpb, .pb or .json file")
 
 
@@ -66,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
     from octopipe.examples import ModelConfig, workload  # noqa: PLC0415
     from octopipe.execute.runtime.linkprobe import local_links, measure_link  # noqa: PLC0415
+    from octopipe.execute.runtime.precision import dtype_named  # noqa: PLC0415
     from octopipe.transform import ProfilerConfig, format_profile, profile_layers  # noqa: PLC0415
 
     if args.out.suffix not in (".binpb", ".pb", ".json"):
@@ -75,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sequence:
         chosen = replace(chosen, sequence=args.sequence)
     torch.set_num_threads(1)
-    model = chosen.model(seed=0)
+    model = chosen.model(seed=0).to(dtype_named(args.precision))
     tokens, targets = chosen.batch(seed=0)
     size = args.microbatch_size or chosen.microbatch_size
     with spinner("measuring the gloo link between two local ranks ...", enabled=args.link and not args.json):
@@ -92,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
             links=links,
             model_reference=reference,
         )
+    if args.precision != "float32":  # absent means float32: a float32 profile stays as it always was
+        profile.precision.compute_dtype = args.precision
     save_profile(profile, args.out)
     if args.json:
         sys.stdout.write(

@@ -15,7 +15,7 @@ from octopipe.execute.cli.jsonout import estimate_json, print_json
 from octopipe.execute.cli.profile import load_profile, save_profile
 from octopipe.execute.cli.progress import spinner
 from octopipe.execute.devices import RUN_DEVICES
-from octopipe.execute.runs import RunOptions, WorkerConfig
+from octopipe.execute.runs import RunOptions, WorkerConfig, precision_problem
 from octopipe.ir import load_plan, mesh_spec
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
@@ -91,6 +91,8 @@ def _join_torchrun(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
             f"--nproc-per-node {needed} (or as many ranks over its nodes)"
         )
     verify_plan(plan)  # every launch path verifies first: a plan the verifier rejects never runs
+    if problem := precision_problem(plan):
+        raise ValueError(problem)
     args.out.mkdir(parents=True, exist_ok=True)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     options = RunOptions(

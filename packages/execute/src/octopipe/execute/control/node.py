@@ -52,7 +52,7 @@ from octopipe.execute.control.security import (
 from octopipe.execute.control.submission import run_id_problem
 from octopipe.execute.devices import Gpu, backend_device, backend_problem, probe_gpus
 from octopipe.execute.processes import free_port
-from octopipe.execute.runs import WORKLOAD_SOURCE, RunOptions, WorkerConfig, same_layout
+from octopipe.execute.runs import WORKLOAD_SOURCE, RunOptions, WorkerConfig, precision_problem, same_layout
 from octopipe.ir import PlanError, mesh_spec
 from octopipe.node.v1 import node_pb2, node_pb2_grpc
 from octopipe.simulate import verify_plan
@@ -374,6 +374,8 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
             world = mesh_spec(request.plan).world_size
         except PlanError as exc:
             return f"invalid plan: {exc}"
+        if problem := precision_problem(request.plan):
+            return problem
         assignment = request.assignment
         if assignment.world_size != world:
             return f"assignment world size {assignment.world_size} does not match the plan's {world} ranks"

@@ -42,6 +42,7 @@ import torch
 from octopipe.capture import StageGraphs
 from octopipe.execute.runs import ActionRecord
 from octopipe.execute.runtime.comm import Channels
+from octopipe.execute.runtime.precision import GRAD_DTYPE
 from octopipe.ir import Action, ActionKind
 from octopipe.ir.program import OVERLAP, Program, stream_of
 from octopipe.transform import (
@@ -215,6 +216,7 @@ class RankRuntime:
         for index, grad in enumerate(grads):
             if grad is None:
                 continue
+            grad = grad.to(GRAD_DTYPE)  # float32 whatever the compute dtype (runtime.precision); float32: itself
             if index in kept:
                 slot = self.microbatch_grads[(stage, index)]
                 assert slot[mb] is None, f"stage {stage}, micro-batch {mb}: two weight gradients"
@@ -346,7 +348,7 @@ class RankRuntime:
         if s == self.num_stages - 1:
             (loss,) = outputs
             state.losses.append(loss)
-            state.output_grads[(s, mb)] = [self.loss_scale]
+            state.output_grads[(s, mb)] = [self.loss_scale.to(loss.dtype)]  # as autograd casts it for a bf16 loss
         else:
             state.outputs[(s, mb)] = outputs
 

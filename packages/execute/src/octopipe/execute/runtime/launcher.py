@@ -31,7 +31,15 @@ import torch.distributed as dist
 
 from octopipe.execute.devices import gpu_problem
 from octopipe.execute.processes import free_port
-from octopipe.execute.runs import ABORT_KEY, RunFailed, RunOptions, RunResult, StepTimeline, WorkerConfig
+from octopipe.execute.runs import (
+    ABORT_KEY,
+    RunFailed,
+    RunOptions,
+    RunResult,
+    StepTimeline,
+    WorkerConfig,
+    precision_problem,
+)
 from octopipe.execute.runtime.pinning import shared_cores
 from octopipe.execute.runtime.worker import worker_main
 from octopipe.ir import MeshSpec, mesh_spec
@@ -69,7 +77,9 @@ def run_local_many(plans: Sequence[plan_pb2.Plan], options: RunOptions | None = 
             "plans run together must need the same number of processes (pipeline ranks x dp): "
             f"{[mesh.world_size for mesh in meshes]}"
         )
-    problem = gpu_problem(options.device, world, len(visible_gpus()))  # before any rank starts
+    problem = next(filter(None, map(precision_problem, plans)), "") or gpu_problem(
+        options.device, world, len(visible_gpus())
+    )  # before any rank starts
     if problem:
         raise ValueError(problem)
     log = structlog.get_logger("octopipe.launcher")

@@ -34,6 +34,7 @@ from octopipe.execute.runtime import (
 )
 from octopipe.execute.runtime.linkprobe import local_links
 from octopipe.execute.runtime.models import model_inputs
+from octopipe.execute.runtime.precision import dtype_named, in_precision
 from octopipe.execute.runtime.whole_model import whole_model_stages
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
@@ -84,8 +85,13 @@ def profile_reference(
     repeats: int = 5,
     seed: int = 0,
     compiler: StageCompiler | None = None,
+    precision: str = "",
 ) -> profile_pb2.Profile:
     """Profile the layers of the model ``reference`` names on one micro-batch of its step-0 batch.
+
+    ``precision``: the compute dtype (``float32``, the default, or ``bfloat16``), as a plan's
+    ``precision.compute_dtype``: the model is cast to it as the runtime casts it, and the Profile
+    records it (``Profile.precision``) so that plans tuned from it run in it.
 
     Each layer is compiled by ``compiler`` (a fresh ``StageCompiler`` by default), the compiler the
     runtime compiles its stages with.
@@ -98,7 +104,7 @@ def profile_reference(
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    built = build_model(reference, seed=seed)
+    built = in_precision(build_model(reference, seed=seed), dtype_named(precision))
     inputs, targets = built.batch(0)
     size = inputs.shape[0] // num_microbatches
     if size < 1 or inputs.shape[0] % num_microbatches:
@@ -122,6 +128,8 @@ def profile_reference(
                 model_reference=reference,
                 compiler=compiler,
             )
+            if precision:
+                profile.precision.compute_dtype = precision
             for tie in whole.ties:  # one layer per stage: the stages that hold it are its layers
                 stage, name = tie.uses[0]
                 weight = whole.stages[stage].get_parameter(name)
@@ -131,7 +139,7 @@ def profile_reference(
                     layer_names=[whole.stages[s].layer_names[0] for s in tie.stages],
                 )
             return profile
-        return profile_layers(
+        profile = profile_layers(
             built.model,
             inputs[:size],
             targets[:size],
@@ -140,6 +148,9 @@ def profile_reference(
             model_reference=reference,
             compiler=compiler,
         )
+        if precision:
+            profile.precision.compute_dtype = precision
+        return profile
     finally:
         torch.set_num_threads(threads)
 

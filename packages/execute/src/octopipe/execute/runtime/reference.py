@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from octopipe.execute.runtime.models import build_model, on_device
+from octopipe.execute.runtime.precision import GRAD_DTYPE, Weights, in_precision
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform.device import CPU, Device
 
@@ -35,11 +36,17 @@ def reference_run(
     seed: int = 0,
     learning_rate: float = 1e-3,
     device: Device = CPU,
+    dtype: torch.dtype = torch.float32,
 ) -> ReferenceResult:
+    """``dtype``: the plan's compute dtype (``precision.plan_dtype``); bf16 runs the mixed-precision policy of
+    ``runtime.precision`` (float32 masters, gradients accumulated over micro-batches in float32) and returns
+    the masters as ``params`` and the float32 accumulated gradients as ``grads``."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as on every rank: reductions split over threads can round differently
     try:
         with device.current():
+            if dtype != GRAD_DTYPE:
+                return _mixed(model_reference, num_microbatches, steps, seed, learning_rate, device, dtype)
             return _reference(model_reference, num_microbatches, steps, seed, learning_rate, device)
     finally:
         torch.set_num_threads(threads)
@@ -73,4 +80,47 @@ def _reference(
         optimizer.zero_grad(set_to_none=True)
     return ReferenceResult(
         losses=losses, grads=first, params={n: CPU.put(p.detach()).clone() for n, p in model.named_parameters()}
+    )
+
+
+def _mixed(
+    model_reference: plan_pb2.ModelReference,
+    num_microbatches: int,
+    steps: int,
+    seed: int,
+    learning_rate: float,
+    device: Device,
+    dtype: torch.dtype,
+) -> ReferenceResult:
+    """The eager reference under a mixed-precision policy: per micro-batch gradients (autograd, in the
+    compute dtype) summed in float32 in micro-batch order, AdamW on float32 masters, rounded back."""
+    built = on_device(in_precision(build_model(model_reference, seed=seed), dtype), device)
+    params = dict(built.model.named_parameters())
+    weights = Weights(params)
+    optimizer = torch.optim.AdamW(list(weights.optimized.values()), lr=learning_rate, foreach=False)
+    scale = torch.ones(()) / num_microbatches
+    losses: list[float] = []
+    first: dict[str, torch.Tensor] = {}
+    for step in range(steps):
+        tokens, targets = built.batch(step)
+        step_losses = []
+        summed: dict[str, torch.Tensor] = {}
+        for x, y in zip(tokens.chunk(num_microbatches), targets.chunk(num_microbatches), strict=True):
+            loss = built.loss(x, y)
+            step_losses.append(loss.detach())
+            grads = torch.autograd.grad(loss * scale, list(params.values()), allow_unused=True)
+            for name, grad in zip(params, grads, strict=True):
+                if grad is not None:
+                    grad = grad.to(GRAD_DTYPE)
+                    summed[name] = grad if name not in summed else summed[name] + grad
+        losses.append(float(torch.stack(step_losses).sum() * scale))
+        for name in params:
+            weights.set_grad(name, summed.get(name))
+        if step == 0:
+            first = {n: CPU.put(g).clone() for n, g in summed.items()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        weights.publish()
+    return ReferenceResult(
+        losses=losses, grads=first, params={n: CPU.put(p.detach()).clone() for n, p in weights.optimized.items()}
     )

@@ -37,6 +37,7 @@ from octopipe.execute.runtime.memory import MemoryMeasurement, resident_bytes
 from octopipe.execute.runtime.mesh import MeshRank
 from octopipe.execute.runtime.models import BuiltModel, build_model, on_device
 from octopipe.execute.runtime.pinning import pin_rank
+from octopipe.execute.runtime.precision import Weights, in_precision, plan_dtype
 from octopipe.execute.runtime.stages import rank_stages, split_batch
 from octopipe.execute.runtime.whole_model import buffer_specs, guard, reduce_tied, tied_indices
 from octopipe.ir import compile_plan, stage_ranks
@@ -154,6 +155,7 @@ def _measure_memory(
     step = config.start_step + config.steps
     held = [t for s in mine for t in (*stages[s].parameters(), *stages[s].buffers())]
     held += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    held += [p for group in optimizer.param_groups for p in group["params"]]  # float32 masters of bf16 weights
     resident = resident_bytes(held)
     microbatches = split_batch(*built.batch(step), runtime.program.num_microbatches)
     dist.barrier()
@@ -186,8 +188,10 @@ def _run_plan(
     mesh = MeshRank.create(plan, rank, config.world_size)  # a pp x dp mesh's groups (collective); see runtime.mesh
     prank = mesh.pipeline_rank  # the pipeline rank whose program this process runs (= rank without a mesh)
     placement = stage_ranks(plan)
-    # built from the seed on the CPU, then moved: every device starts from the same weights and data
-    built = on_device(mesh.replica_model(build_model(plan.model, seed=config.seed), m), device)
+    # built from the seed on the CPU in float32, cast to the plan's compute dtype, then moved: every device
+    # and precision starts from the same weights and data
+    built = build_model(plan.model, seed=config.seed)
+    built = on_device(in_precision(mesh.replica_model(built, m), plan_dtype(plan)), device)
     mine = sorted(s for s, r in placement.items() if r == prank)
     compiled = rank_stages(plan, built, mine, mesh, compiler)  # every stage module; this rank's compiled
     stages, executables, boundaries = compiled.modules, compiled.executables, compiled.boundaries
@@ -231,13 +235,15 @@ def _run_plan(
     for name, param in named.items():
         if all(param is not p for p in params.values()):
             params[name] = param
+    canonical = {name: next(n for n, p in params.items() if p is param) for name, param in named.items()}
+    weights = Weights(params)  # what the optimizer steps: the parameters, or float32 masters of bf16 ones
     numerics = None
     if whole is not None and config.numerics_check:  # refuse to train a pipeline that computes something else
         assert built.input_names is not None
         report = guard(whole, plain, first, built.input_names)
         numerics = {"reference_loss": report.reference_loss, "pipelined_loss": report.pipelined_loss}
         numerics["seconds"] = report.seconds
-    optimizer = torch.optim.AdamW(list(params.values()), lr=config.learning_rate, foreach=False)
+    optimizer = torch.optim.AdamW(list(weights.optimized.values()), lr=config.learning_rate, foreach=False)
     losses: list[float] = []
     timelines: list[StepTimeline] = []
     first_grads: dict[str, torch.Tensor] = {}
@@ -245,7 +251,8 @@ def _run_plan(
     replica, dp = mesh.spec.coords(rank)[1], mesh.spec.dp
     suffix = f"#replica{replica}of{dp}" if dp > 1 else ""
     if config.resume:
-        load_checkpoint(config.checkpoint_dir, config.start_step, params, optimizer, suffix=suffix)
+        load_checkpoint(config.checkpoint_dir, config.start_step, weights.optimized, optimizer, suffix=suffix)
+        weights.publish()
     for step in range(config.start_step, config.start_step + config.steps):
         microbatches = split_batch(*built.batch(step), m)
         fail_after = config.fail_at[1] if config.fail_at is not None and config.fail_at[0] == step else None
@@ -264,19 +271,20 @@ def _run_plan(
         for s in mine:
             names = executables[s].graphs.param_names
             for name, grad in zip(names, runtime.grads[s], strict=True):
-                named[name].grad = grad
+                weights.set_grad(canonical[name], grad)
         if ties:  # a collective: every rank, every step, the same order
             for (_, name), grad in reduce_tied(ties, stages, runtime, plain, holder).items():
-                named[name].grad = grad
+                weights.set_grad(canonical[name], grad)
         step_end = time.perf_counter_ns()  # the tied-gradient exchange is part of the step (as simulated)
         if step == config.start_step and config.keep_grads:
-            first_grads = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
+            first_grads = {n: g.clone() for n in params if (g := weights.grad(n)) is not None}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        weights.publish()
         runtime.zero_grads()
         saved = None
         if config.checkpoint_every and config.checkpoint_dir and (step + 1) % config.checkpoint_every == 0:
-            save_checkpoint(config.checkpoint_dir, step + 1, params, optimizer, suffix=suffix)
+            save_checkpoint(config.checkpoint_dir, step + 1, weights.optimized, optimizer, suffix=suffix)
             saved = step + 1
         timeline = StepTimeline(
             rank=rank,
@@ -300,10 +308,12 @@ def _run_plan(
         "numerics": numerics,
         # each copy of a tied parameter this rank holds (the names above are shared by the ranks holding one)
         "tied_grads": {n: g for n, g in first_grads.items() if n in tied_names},
-        "tied_params": {n: p.detach() for n, p in params.items() if n in tied_names} if config.keep_params else {},
+        "tied_params": {n: p.detach() for n, p in weights.optimized.items() if n in tied_names}
+        if config.keep_params
+        else {},
         "losses": losses,
         "grads": mesh.full(first_grads),  # whole tensors from the shards (a collective when dp > 1)
-        "params": mesh.full({n: p.detach() for n, p in params.items()}) if config.keep_params else {},
+        "params": mesh.full({n: p.detach() for n, p in weights.optimized.items()}) if config.keep_params else {},
         "timelines": [t.as_dict() for t in timelines],
         # each channel's transfers in the order they started, all steps of the last program
         "channels": {f"{d} {peer}": list(order) for (d, peer), order in runtime.channels.started.items()},

@@ -1,0 +1,90 @@
+"""Mixed precision as a plan names it (``Plan.precision``): bf16 parameters and activations, float32 master
+weights, optimizer state and gradient accumulation. The pipeline runs the same ops in the same order as the
+eager reference under the same policy, so losses, every gradient and the weights after the optimizer steps
+are bitwise equal to it, as in float32; the profiler sizes what the runtime holds; the policy survives the
+plan formats and the tuner; what is not built yet is refused in one line."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from octopipe.execute.cli import EXIT_USAGE, main
+from octopipe.execute.runs import RunOptions, precision_problem
+from octopipe.execute.runtime import build_model, reference_run, run_local, workload_reference
+from octopipe.execute.runtime.pipeline import profile_reference
+from octopipe.ir import PlanError, plan_from_text, plan_to_text, save_plan, validate_plan, with_collectives
+from octopipe.plan.v1 import plan_pb2
+from octopipe.tune import TuneConfig, equal_partition, one_f_one_b, tune, zb_v
+
+M = 4
+
+
+def _plan(workload: str, schedule: Callable[..., plan_pb2.Plan], ranks: int = 2) -> plan_pb2.Plan:
+    reference = workload_reference(workload, tiny=True, sequence=8, global_batch=2 * M)
+    names = build_model(reference).model.pipeline_layers()  # type: ignore[operator]
+    stages = 2 * ranks if schedule is zb_v else ranks
+    plan = schedule(ranks, M, layer_names=equal_partition(names, stages))
+    plan.model.CopyFrom(reference)
+    plan.precision.compute_dtype = "bfloat16"
+    return plan
+
+
+@pytest.mark.parametrize("workload", ["llama-8", "nemotronh-16"])
+@pytest.mark.parametrize("schedule", [one_f_one_b, zb_v], ids=["1f1b", "zb-v"])
+def test_a_bf16_pipeline_equals_the_bf16_eager_reference_bitwise(
+    workload: str, schedule: Callable[..., plan_pb2.Plan]
+) -> None:
+    plan = _plan(workload, schedule)
+    run = run_local(plan, RunOptions(steps=2, keep_grads=True, keep_params=True, pin_cores=False))
+    ref = reference_run(plan.model, num_microbatches=M, steps=2, dtype=torch.bfloat16)
+    assert run.losses == ref.losses
+    assert sorted(run.grads) == sorted(ref.grads) and sorted(run.params) == sorted(ref.params)
+    for name, grad in ref.grads.items():
+        assert grad.dtype == torch.float32 and torch.equal(grad, run.grads[name]), name  # accumulated in float32
+    for name, weight in ref.params.items():
+        assert weight.dtype == torch.float32 and torch.equal(weight, run.params[name]), name  # the masters
+    fp32 = reference_run(plan.model, num_microbatches=M, steps=2)
+    assert fp32.losses != ref.losses  # the policy was applied: bf16 computes other numbers than float32
+
+
+def test_the_profiler_sizes_bf16_weights_with_their_float32_masters_and_the_tuner_keeps_the_policy() -> None:
+    reference = workload_reference("llama-8", tiny=True, sequence=8, global_batch=2 * M)
+    fp32 = profile_reference(reference, num_microbatches=M, repeats=1)
+    bf16 = profile_reference(reference, num_microbatches=M, repeats=1, precision="bfloat16")
+    assert not fp32.HasField("precision") and bf16.precision.compute_dtype == "bfloat16"
+    for full, half in zip(fp32.layers, bf16.layers, strict=True):
+        assert half.parameter_bytes * 2 == full.parameter_bytes  # bf16 weights: 2 bytes each
+        assert half.gradient_bytes == full.gradient_bytes  # gradients accumulate in float32 either way
+        # AdamW's two float32 moments and, for bf16 weights, the float32 master copy
+        assert full.optimizer_state_bytes == 2 * full.parameter_bytes
+        assert half.optimizer_state_bytes == 3 * full.parameter_bytes
+        assert half.activation_saved_bytes <= full.activation_saved_bytes  # the embedding saves token ids
+    assert sum(c.activation_saved_bytes for c in bf16.layers) < sum(c.activation_saved_bytes for c in fp32.layers)
+    plan = tune(bf16, TuneConfig(num_ranks=2, num_microbatches=M, time_budget_s=5, max_evaluations=50)).plan
+    assert plan.precision.compute_dtype == "bfloat16"  # plans run in the dtypes their costs were measured in
+
+
+def test_the_policy_survives_the_text_format_and_a_bad_one_is_refused(tmp_path: Path) -> None:
+    plan = _plan("llama-8", one_f_one_b)
+    text = plan_to_text(plan)
+    assert 'precision "bfloat16"' in text.splitlines()
+    assert plan_from_text(text) == plan
+    plan.precision.compute_dtype = "float16"
+    with pytest.raises(PlanError, match=r"precision\.compute_dtype 'float16' is not one of float32, bfloat16"):
+        validate_plan(plan)
+
+
+def test_bf16_with_data_parallelism_is_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = _plan("llama-8", one_f_one_b, ranks=1)
+    plan.mesh.dp = 2
+    plan = with_collectives(plan)  # a mesh plan the verifier accepts: only the precision is refused
+    assert "mixed precision runs on plans without data parallelism for now" in precision_problem(plan)
+    plan_file = tmp_path / "plan.binpb"
+    save_plan(plan, plan_file)
+    assert main(["run", str(plan_file), "--steps", "1", "--json"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "precision bfloat16 with dp=2" in err and err.count("\n") == 1
