@@ -284,7 +284,8 @@ def test_a_finished_runs_losses_from_the_cli_equal_the_local_launchers(
     assert written == {"files": {"trace": str(trace)}, "tracks": ["measured"], "step": 2}
     events = json.loads(trace.read_text())["traceEvents"]
     drawn = [e["name"] for e in events if e["ph"] == "X" and e["pid"] == MEASURED_PID_OFFSET]
-    assert drawn == [format_action(a) for a in rank_actions(plan)[0]]  # rank 0's last step, every action in the order it ran
+    # rank 0's last step: every action, in the order it ran
+    assert drawn == [format_action(a) for a in rank_actions(plan)[0]]
     assert main(["trace", "--run", "results", *client, "--step", "7"]) == EXIT_USAGE
     assert "--step 7: the measured steps are 0 to 2" in capsys.readouterr().err
 
