@@ -321,7 +321,7 @@ def test_runs_shows_the_checkpoint_step_as_the_run_goes_and_a_refusal_in_the_cli
     cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with cluster.client() as control:
-        run_id = control.submit(llama_plan(1, 2), steps=8, run_id="checkpoints", checkpoint_every=2)
+        run_id = control.submit(llama_plan(1, 2), steps=6, run_id="checkpoints", checkpoint_every=2)
         seen: set[tuple[int, int]] = set()  # (completed steps, checkpoint step) while running
         deadline = time.monotonic() + 120
         while (run := control.run(run_id)).state not in (node_pb2.RUN_STATE_DONE, node_pb2.RUN_STATE_FAILED):
@@ -329,8 +329,8 @@ def test_runs_shows_the_checkpoint_step_as_the_run_goes_and_a_refusal_in_the_cli
                 seen.add((run.completed_steps, run.last_checkpoint_step))
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert (run.state, run.completed_steps, run.last_checkpoint_step) == (node_pb2.RUN_STATE_DONE, 8, 8)
-        assert any(0 < checkpoint < 8 for _, checkpoint in seen), seen  # not only once the run ended
+        assert (run.state, run.completed_steps, run.last_checkpoint_step) == (node_pb2.RUN_STATE_DONE, 6, 6)
+        assert any(0 < checkpoint < 6 for _, checkpoint in seen), seen  # not only once the run ended
         assert all(checkpoint % 2 == 0 for _, checkpoint in seen)
         waiting = control.submit(llama_plan(2, 4), steps=1, run_id="no-checkpoints")  # never fits: stays queued
         control.cancel(waiting)
