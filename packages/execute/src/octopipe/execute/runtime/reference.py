@@ -39,15 +39,13 @@ def reference_run(
     dtype: torch.dtype = torch.float32,
 ) -> ReferenceResult:
     """``dtype``: the plan's compute dtype (``precision.plan_dtype``); bf16 runs the mixed-precision policy of
-    ``runtime.precision`` (float32 masters, gradients accumulated over micro-batches in float32) and returns
-    the masters as ``params`` and the float32 accumulated gradients as ``grads``."""
+    ``runtime.precision`` and returns the float32 masters as ``params``; ``grads`` are the first step's
+    gradients, summed over micro-batches in float32."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as on every rank: reductions split over threads can round differently
     try:
         with device.current():
-            if dtype != GRAD_DTYPE:
-                return _mixed(model_reference, num_microbatches, steps, seed, learning_rate, device, dtype)
-            return _reference(model_reference, num_microbatches, steps, seed, learning_rate, device)
+            return _reference(model_reference, num_microbatches, steps, seed, learning_rate, device, dtype)
     finally:
         torch.set_num_threads(threads)
 
@@ -59,41 +57,11 @@ def _reference(
     seed: int,
     learning_rate: float,
     device: Device,
-) -> ReferenceResult:
-    built = on_device(build_model(model_reference, seed=seed), device)
-    model = built.model
-    optimizer = torch.optim.AdamW(list(model.parameters()), lr=learning_rate, foreach=False)
-    scale = torch.ones(()) / num_microbatches
-    losses: list[float] = []
-    first: dict[str, torch.Tensor] = {}
-    for step in range(steps):
-        tokens, targets = built.batch(step)
-        step_losses = []
-        for x, y in zip(tokens.chunk(num_microbatches), targets.chunk(num_microbatches), strict=True):
-            loss = built.loss(x, y)  # the model's own call (by argument names for a whole-model capture)
-            step_losses.append(loss.detach())
-            (loss * scale).backward()
-        losses.append(float(torch.stack(step_losses).sum() * scale))
-        if step == 0:
-            first = {n: CPU.put(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return ReferenceResult(
-        losses=losses, grads=first, params={n: CPU.put(p.detach()).clone() for n, p in model.named_parameters()}
-    )
-
-
-def _mixed(
-    model_reference: plan_pb2.ModelReference,
-    num_microbatches: int,
-    steps: int,
-    seed: int,
-    learning_rate: float,
-    device: Device,
     dtype: torch.dtype,
 ) -> ReferenceResult:
-    """The eager reference under a mixed-precision policy: per micro-batch gradients (autograd, in the
-    compute dtype) summed in float32 in micro-batch order, AdamW on float32 masters, rounded back."""
+    """Per micro-batch gradients (eager autograd, in the compute dtype), summed in float32 in micro-batch
+    order as every rank sums them; AdamW on the weights (float32: the parameters; bf16: float32 masters,
+    rounded back after each step)."""
     built = on_device(in_precision(build_model(model_reference, seed=seed), dtype), device)
     params = dict(built.model.named_parameters())
     weights = Weights(params)
@@ -106,7 +74,7 @@ def _mixed(
         step_losses = []
         summed: dict[str, torch.Tensor] = {}
         for x, y in zip(tokens.chunk(num_microbatches), targets.chunk(num_microbatches), strict=True):
-            loss = built.loss(x, y)
+            loss = built.loss(x, y)  # the model's own call (by argument names for a whole-model capture)
             step_losses.append(loss.detach())
             grads = torch.autograd.grad(loss * scale, list(params.values()), allow_unused=True)
             for name, grad in zip(params, grads, strict=True):
