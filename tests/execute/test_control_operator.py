@@ -321,17 +321,16 @@ def test_runs_shows_the_checkpoint_step_as_the_run_goes_and_a_refusal_in_the_cli
     cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with cluster.client() as control:
-        run_id = control.submit(llama_plan(1, 2), steps=6, run_id="checkpoints", checkpoint_every=2)
-        seen: set[tuple[int, int]] = set()  # (completed steps, checkpoint step) while running
+        # far more steps than it takes to see one checkpoint: the run is still going when the first one shows
+        run_id = control.submit(llama_plan(1, 2), steps=10_000, run_id="checkpoints", checkpoint_every=2)
         deadline = time.monotonic() + 120
-        while (run := control.run(run_id)).state not in (node_pb2.RUN_STATE_DONE, node_pb2.RUN_STATE_FAILED):
-            if run.state == node_pb2.RUN_STATE_RUNNING:
-                seen.add((run.completed_steps, run.last_checkpoint_step))
+        while (run := control.run(run_id)).last_checkpoint_step == 0:
+            assert run.state in (node_pb2.RUN_STATE_QUEUED, node_pb2.RUN_STATE_STARTING, node_pb2.RUN_STATE_RUNNING)
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert (run.state, run.completed_steps, run.last_checkpoint_step) == (node_pb2.RUN_STATE_DONE, 6, 6)
-        assert any(0 < checkpoint < 6 for _, checkpoint in seen), seen  # not only once the run ended
-        assert all(checkpoint % 2 == 0 for _, checkpoint in seen)
+        assert run.state == node_pb2.RUN_STATE_RUNNING and run.completed_steps < 10_000  # shown as the run goes
+        assert run.last_checkpoint_step % 2 == 0
+        control.cancel(run_id)
         waiting = control.submit(llama_plan(2, 4), steps=1, run_id="no-checkpoints")  # never fits: stays queued
         control.cancel(waiting)
     client = ["--coordinator", cluster.coordinator.address, "--certs", str(cluster.certs)]
