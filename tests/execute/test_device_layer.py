@@ -9,13 +9,14 @@ import ast
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from octopipe.execute.cli import EXIT_USAGE, main
-from octopipe.execute.control import LocalCluster
+from octopipe.execute.control import ControlError, LocalCluster
 from octopipe.execute.control.security import CertPaths, secure_channel
 from octopipe.execute.devices import Gpu, backend_problem, gpu_problem, rank_device
 from octopipe.execute.runs import RunOptions, WorkerConfig
@@ -163,3 +164,26 @@ def test_a_node_reports_its_gpus_and_refuses_a_gpu_push_it_cannot_hold(
         request.assignment.backend = "mpi"
         request.nonce = "n2"
         assert "is not known" in stub.PushPlan(request, timeout=10).reason
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: tests/gpu runs plans there")
+def test_a_cuda_run_waits_for_a_gpu_is_placed_on_one_and_fails_in_one_line_where_cuda_is_missing(
+    tmp_path: Path,
+) -> None:
+    h200 = Gpu(index=0, name="NVIDIA H200", memory_bytes=143_771_090_944)
+    with LocalCluster(tmp_path) as cluster:
+        cluster.add_node("cpu-only", slots=2)
+        with cluster.client() as client:
+            with pytest.raises(ControlError, match="are not built yet"):  # refused at submit, whatever the nodes
+                client.submit(llama_plan(2, 2), steps=1, device="cuda")
+            run_id = client.submit(llama_plan(1, 2), steps=1, device="cuda")
+            deadline = time.monotonic() + 30
+            while not (run := client.run(run_id)).waiting_for and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert run.state == node_pb2.RUN_STATE_QUEUED  # a CPU node's slots are not GPUs
+            assert run.waiting_for.startswith("waiting for 1 GPU slots: 0 registered on 1 live nodes")
+            cluster.add_node("gpu", slots=2, gpus=(h200,))  # declared: this machine has none
+            run = client.wait(run_id, timeout_s=120)
+    assert list(run.rank_nodes) == ["gpu"]  # placed on the GPU, with backend nccl and device cuda:0
+    assert run.state == node_pb2.RUN_STATE_FAILED
+    assert "cuda:0: this machine has no usable CUDA device" in run.error, run.error

@@ -21,11 +21,14 @@ __all__ = [
     "RUN_DEVICES",
     "Gpu",
     "backend_device",
+    "backend_for",
     "backend_problem",
+    "capacity",
     "gpu_problem",
     "is_gpu",
     "probe_gpus",
     "rank_device",
+    "submission_problem",
 ]
 
 #: what a run may ask for
@@ -87,6 +90,28 @@ def backend_device(backend: str) -> str:
     if kind is None:
         raise ValueError(f"backend {backend!r} is not known: use {' or '.join(_BACKENDS)}")
     return kind
+
+
+def backend_for(kind: str) -> str:
+    """The process-group backend of ranks on ``kind`` devices ('' is the CPU)."""
+    kind = kind or "cpu"
+    backend = next((b for b, k in _BACKENDS.items() if k == kind), None)
+    if backend is None:
+        raise ValueError(f"device must be one of {', '.join(RUN_DEVICES)}, got {kind!r}")
+    return backend
+
+
+def capacity(kind: str, slots: int, gpus: int) -> int:
+    """How many ranks of a ``kind`` run a node with ``slots`` slots and ``gpus`` GPUs takes ('' is the CPU)."""
+    return min(slots, gpus) if is_gpu(kind or "cpu") else slots
+
+
+def submission_problem(kind: str, world_size: int) -> str:
+    """Why a run of ``world_size`` ranks on ``kind`` cannot be submitted ('' when it can): an unknown device,
+    or what ``gpu_problem`` refuses whatever the nodes (GPU ranks that would exchange messages)."""
+    if (kind or "cpu") not in RUN_DEVICES:
+        return f"device {kind!r} is not known: use {' or '.join(RUN_DEVICES)}"
+    return gpu_problem(kind or "cpu", world_size, world_size, world_size=world_size, where="the cluster")
 
 
 def backend_problem(

@@ -19,6 +19,7 @@ from google.protobuf import json_format
 from octopipe.execute.cli.connect import certs_option, client_options, err, out, run_id_arg, with_client
 from octopipe.execute.cli.errors import EXIT_RUN_FAILED, EXIT_USAGE
 from octopipe.execute.cli.profile import load_profile
+from octopipe.execute.devices import RUN_DEVICES
 from octopipe.ir import load_plan
 from octopipe.node.v1 import node_pb2
 from octopipe.tune import ScheduleRegistry
@@ -163,6 +164,12 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     )
     submit.add_argument(
         "--adapt", type=Path, metavar="PROFILE", help="closed loop: re-tune from measured steps, starting from PROFILE"
+    )
+    submit.add_argument(
+        "--device",
+        choices=RUN_DEVICES,
+        default="cpu",
+        help="where the ranks compute: cpu (gloo) or cuda (one GPU per rank, NCCL; placed on nodes' GPUs)",
     )
     submit.add_argument(
         "--profile",
@@ -436,6 +443,7 @@ def _submit(args: argparse.Namespace) -> int:
             adapt_profile=adapt_profile,
             adapt_after_steps=args.adapt_after,
             profile=profile,
+            device=args.device,
         )
         return _finish(client, run_id, args.wait, args.json)
 

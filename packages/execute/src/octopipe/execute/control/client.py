@@ -67,13 +67,15 @@ class ControlClient:
         adapt_profile: profile_pb2.Profile | None = None,
         adapt_after_steps: int = 0,
         profile: profile_pb2.Profile | None = None,
+        device: str = "",
     ) -> str:
         """Submit a plan; with ``adapt_profile`` the coordinator re-tunes it from measured steps (closed loop);
-        with ``profile`` (or ``adapt_profile``) it predicts the step time (``Run.predicted_step_time_us``)."""
+        with ``profile`` (or ``adapt_profile``) it predicts the step time (``Run.predicted_step_time_us``);
+        ``device`` ``cuda`` places the ranks on the nodes' GPUs."""
         if adapt_profile is not None and profile is not None:
             raise ValueError("give the profile once: adapt_profile is also the one the prediction uses")
         request = coordinator_pb2.SubmitPlanRequest(
-            plan=plan, num_steps=steps, run_id=run_id, checkpoint_every=checkpoint_every, seed=seed
+            plan=plan, num_steps=steps, run_id=run_id, checkpoint_every=checkpoint_every, seed=seed, device=device
         )
         if adapt_profile is not None:
             request.adapt, request.adapt_after_steps = True, adapt_after_steps

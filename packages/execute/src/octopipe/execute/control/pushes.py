@@ -19,7 +19,7 @@ import structlog
 from octopipe.coordinator.v1 import coordinator_pb2
 from octopipe.execute.control.common import RPC_DEADLINE_S
 from octopipe.execute.control.security import CertPaths, node_server_name, secure_channel
-from octopipe.execute.devices import CPU_BACKEND
+from octopipe.execute.devices import backend_for
 from octopipe.ir import mesh_spec
 from octopipe.node.v1 import node_pb2, node_pb2_grpc
 from octopipe.plan.v1 import plan_pb2
@@ -82,7 +82,7 @@ class RunPusher:
                     world_size=world,
                     rendezvous_host=host,
                     rendezvous_port=port,
-                    backend=CPU_BACKEND,
+                    backend=backend_for(submit.device),
                 ),
                 num_steps=run.num_steps,
                 start_step=run.last_checkpoint_step if run.resumes else 0,

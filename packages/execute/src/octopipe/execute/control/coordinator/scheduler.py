@@ -23,6 +23,7 @@ from octopipe.execute.control.coordinator.records import (
     placement_of,
 )
 from octopipe.execute.control.pushes import RunPusher
+from octopipe.execute.devices import capacity, is_gpu
 from octopipe.ir import mesh_spec
 from octopipe.node.v1 import node_pb2
 
@@ -182,7 +183,7 @@ class RunScheduler:
             chosen: tuple[RunRecord, dict[str, list[int]]] | None = None
             for entry in queued:
                 world = mesh_spec(entry.plan).world_size
-                placement = _place(world, idle)
+                placement = _place(world, idle, entry.submit.device)
                 if placement is not None:
                     chosen = (entry, placement)
                     break
@@ -210,8 +211,11 @@ class RunScheduler:
     def _wait(self, entry: RunRecord, world: int, alive: list[NodeRecord], idle: list[NodeRecord], now: float) -> None:
         """Say why ``entry`` waits; fail it once even every registered slot has been too few for too long
         (called with the lock held)."""
-        registered, free = sum(n.slots for n in alive), sum(n.slots for n in idle)
-        reason = f"waiting for {world} slots: {registered} registered on {len(alive)} live nodes, {free} idle"
+        kind = entry.submit.device
+        registered = sum(capacity(kind, n.slots, len(n.gpus)) for n in alive)
+        free = sum(capacity(kind, n.slots, len(n.gpus)) for n in idle)
+        unit = "GPU slots" if is_gpu(kind or "cpu") else "slots"
+        reason = f"waiting for {world} {unit}: {registered} registered on {len(alive)} live nodes, {free} idle"
         if registered < world:
             entry.unfit_since = entry.unfit_since if entry.unfit_since is not None else now
             limit = self._config.never_fits_after_s
@@ -219,7 +223,7 @@ class RunScheduler:
                 entry.unfit_since = None
                 self.fail(
                     entry,
-                    f"the run needs {world} slots but the live nodes have {registered}, for over {limit:g} s: add "
+                    f"the run needs {world} {unit} but the live nodes have {registered}, for over {limit:g} s: add "
                     "nodes (or slots) and submit it again, or submit a plan for fewer ranks",
                 )
                 return
@@ -231,14 +235,17 @@ class RunScheduler:
             self._records.save(entry)
 
 
-def _place(world: int, idle: list[NodeRecord]) -> dict[str, list[int]] | None:
-    """Ranks 0..world-1 on the idle nodes in registration order (whole nodes), or None if they do not fit."""
+def _place(world: int, idle: list[NodeRecord], kind: str) -> dict[str, list[int]] | None:
+    """Ranks 0..world-1 on the idle nodes in registration order (whole nodes; a ``cuda`` run only on their
+    GPUs), or None if they do not fit."""
     placement: dict[str, list[int]] = {}
     next_rank = 0
     for node in idle:
         if next_rank == world:
             break
-        take = min(node.slots, world - next_rank)
+        take = min(capacity(kind, node.slots, len(node.gpus)), world - next_rank)
+        if take == 0:
+            continue
         placement[node.node_id] = list(range(next_rank, next_rank + take))
         next_rank += take
     return placement if next_rank == world else None
