@@ -43,7 +43,14 @@ def dtype_named(name: str) -> torch.dtype:
 
 def in_precision(built: BuiltModel, dtype: torch.dtype) -> BuiltModel:
     """``built`` with its model's floating parameters and buffers cast to ``dtype`` (in place; integer buffers
-    and the batches, token ids, are left as they are)."""
+    and the batches, token ids, are left as they are). A model captured as written (``input_names``) runs only
+    in float32 for now: its bf16 numerics (tied weights summed across stages, the launch guard) are untested,
+    so it is refused rather than run differently from its own training."""
+    if dtype != GRAD_DTYPE and built.input_names is not None:
+        raise ValueError(
+            f"precision {str(dtype).removeprefix('torch.')} is not supported yet for a model captured as written "
+            "(a transformers model or capture=whole): run it in float32"
+        )
     built.model.to(dtype)
     return built
 
