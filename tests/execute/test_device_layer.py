@@ -16,9 +16,16 @@ import pytest
 import torch
 
 from octopipe.execute.cli import EXIT_USAGE, main
-from octopipe.execute.control import ControlError, LocalCluster
+from octopipe.execute.control import LocalCluster
 from octopipe.execute.control.security import CertPaths, secure_channel
-from octopipe.execute.devices import Gpu, backend_problem, gpu_problem, rank_device
+from octopipe.execute.devices import (
+    Gpu,
+    backend_problem,
+    gpu_problem,
+    probe_pairs,
+    rank_device,
+    submission_problem,
+)
 from octopipe.execute.runs import RunOptions, WorkerConfig
 from octopipe.ir import save_plan
 from octopipe.node.v1 import node_pb2, node_pb2_grpc
@@ -74,7 +81,7 @@ def test_the_gate_sees_a_device_branch() -> None:
 def test_devices_parse_name_their_backend_and_refuse_bad_names() -> None:
     assert Device.parse("cpu") == CPU and CPU.backend == "gloo" and str(CPU) == "cpu"
     gpu = Device.parse("cuda:3")
-    assert (gpu.kind, gpu.index, gpu.backend, str(gpu)) == ("cuda", 3, "nccl", "cuda:3")
+    assert (gpu.kind, gpu.index, gpu.backend, str(gpu)) == ("cuda", 3, "cpu:gloo,cuda:nccl", "cuda:3")
     assert Device.parse("cuda") == Device("cuda", 0)
     for bad in ("gpu", "cuda:x", "cpu:1", "cuda:-1", ""):
         with pytest.raises(DeviceError, match="is not cpu, cuda or cuda:N"):
@@ -92,6 +99,18 @@ def test_a_cuda_device_on_a_machine_without_cuda_is_one_line() -> None:
     CPU.check()  # the CPU is always there
 
 
+def test_a_cpu_stopwatch_reads_the_host_clock_and_a_link_probe_measures_one_cpu_pair_but_every_gpu_pair() -> None:
+    watch = CPU.stopwatch()
+    marks = [watch.mark() for _ in range(3)]
+    assert watch.device_ns() == marks == sorted(marks)  # the CPU's work is done when the call returns
+    assert watch.elapsed_us(0, 2) == (marks[2] - marks[0]) / 1000 and CPU.timing == "host clock"
+    assert Device.parse("cuda:1").timing == "cuda events"
+    assert probe_pairs("cpu", 4) == [(0, 1)]  # every local pair shares the loopback
+    assert probe_pairs("cuda", 3) == [(0, 1), (0, 2), (1, 2)]  # NVLink, PCIe or a NIC: each pair its own
+    with pytest.raises(ValueError, match="a link needs two ranks"):
+        probe_pairs("cuda", 1)
+
+
 def test_ranks_get_their_local_gpu_and_a_machine_short_of_gpus_is_refused() -> None:
     assert [rank_device("cuda", r) for r in range(3)] == ["cuda:0", "cuda:1", "cuda:2"]
     assert rank_device("cpu", 5) == "cpu"
@@ -104,15 +123,16 @@ def test_ranks_get_their_local_gpu_and_a_machine_short_of_gpus_is_refused() -> N
     assert gpu_problem("cpu", 8, 0) == ""
     assert gpu_problem("cuda", 1, 1) == ""
     assert "has no GPU that CUDA can use" in gpu_problem("cuda", 1, 0)
-    assert "are not built yet" in gpu_problem("cuda", 2, 2)  # GPU ranks exchange no messages yet: said, not hung
+    assert gpu_problem("cuda", 2, 2) == ""  # a GPU per rank: NCCL point-to-point, one communicator per direction
     assert "NCCL refuses two ranks on one GPU" in gpu_problem("cuda", 2, 1)
-    assert backend_problem("", 2, 0, world_size=2) == "" and backend_problem("gloo", 1, 0, world_size=1) == ""
-    assert "is not known: use gloo or nccl" in backend_problem("mpi", 1, 0, world_size=1)
-    assert "node n1 has no GPU" in backend_problem("nccl", 1, 0, world_size=1, where="node n1")
+    assert backend_problem("", 2, 0) == "" and backend_problem("gloo", 1, 0) == ""
+    assert "is not known: use gloo or nccl" in backend_problem("mpi", 1, 0)
+    assert "node n1 has no GPU" in backend_problem("nccl", 1, 0, where="node n1")
+    assert submission_problem("cuda") == "" and "is not known" in submission_problem("tpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: tests/gpu runs plans there")
-def test_run_on_cuda_without_a_gpu_or_with_ranks_that_need_messages_is_one_line_before_any_rank(
+def test_run_on_cuda_without_a_gpu_is_one_line_before_any_rank_however_many_ranks(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     for ranks in (1, 2):
@@ -174,8 +194,6 @@ def test_a_cuda_run_waits_for_a_gpu_is_placed_on_one_and_fails_in_one_line_where
     with LocalCluster(tmp_path) as cluster:
         cluster.add_node("cpu-only", slots=2)
         with cluster.client() as client:
-            with pytest.raises(ControlError, match="are not built yet"):  # refused at submit, whatever the nodes
-                client.submit(llama_plan(2, 2), steps=1, device="cuda")
             run_id = client.submit(llama_plan(1, 2), steps=1, device="cuda")
             deadline = time.monotonic() + 30
             while not (run := client.run(run_id)).waiting_for and time.monotonic() < deadline:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from octopipe.execute.runtime.linkprobe import fit_link, measure_link
+from octopipe.execute.runtime.linkprobe import fit_link, measure_link, measure_links
 
 
 def test_fit_recovers_a_known_line() -> None:
@@ -27,3 +27,8 @@ def test_measures_a_real_gloo_link() -> None:
     assert all(t > 0 for _, t in points)
     assert cost.latency_us >= 0
     assert cost.bandwidth_bytes_per_second > 1e6  # loopback moves far more than a MB/s
+    links = measure_links(3, repeats=3)  # one pair measured stands for every ordered pair of local CPU ranks
+    assert sorted((link.source_rank, link.destination_rank) for link in links) == [
+        (a, b) for a in range(3) for b in range(3) if a != b
+    ]
+    assert len({(link.latency_us, link.bandwidth_bytes_per_second) for link in links}) == 1

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from octopipe.execute.runtime import Channels, CommTimeout, RunOptions, run_local_many
+from octopipe.execute.runtime.comm import channel_groups, program_channels
 from octopipe.execute.runtime.pipeline import tune_reference
 from octopipe.ir import DeadlockError, PlanError, compile_plan, rank_actions
 from octopipe.plan.v1 import plan_pb2
@@ -68,6 +69,9 @@ def test_a_receive_posted_later_moves_in_the_simulation_and_in_the_run() -> None
         for rank, steps in run.timelines.items():
             records = steps[-1].records
             assert [r.action for r in records] == [str(a) for a in rank_actions(plan)[rank]]
+            # on the CPU the device's clock is the host's: each action's work is done when its call returns
+            assert all((r.host_start_ns, r.host_end_ns) == (r.start_ns, r.end_ns) for r in records)
+            assert steps[-1].start_ns <= records[0].start_ns <= records[-1].end_ns <= steps[-1].end_ns
             # every channel started its transfers in the program's order, every step (strict order)
             for channel, order in channel_order(program, rank).items():
                 assert run.channels[rank][channel] == order * 2, (plan.name, rank, channel)
@@ -111,7 +115,7 @@ def _strict_channels(rank: int, world: int, swap: bool) -> None:
         buffer_spec=lambda t: (torch.Size([4]), torch.float32),
         timeout_s=3,
         aborted=lambda: None,
-        group=dist.group.WORLD,
+        groups=channel_groups(program_channels(program)),
     )
     if rank == 0:
         for transfer in forward:

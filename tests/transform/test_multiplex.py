@@ -27,6 +27,7 @@ from octopipe.transform import (
     OverlapStage,
     comm_bytes,
     compile_stage,
+    measure_compute_us,
     multiplex,
     profile_costs,
     roofline_costs,
@@ -271,3 +272,16 @@ def test_profile_costs_sum_to_the_profile_and_price_links() -> None:
             forward_layers=["a"],
             backward_layers=["a"],
         )
+
+
+def test_measure_compute_us_times_every_compute_node_on_the_devices_clock() -> None:
+    def body(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ w).sum()
+
+    graph = fx.symbolic_trace(body)
+    times = measure_compute_us(graph, [torch.randn(64, 64), torch.randn(64, 64)], repeats=3)
+    computed = [n for n in graph.graph.nodes if n.op not in ("placeholder", "output")]
+    assert set(times) == set(computed) and len(computed) == 3  # matmul, relu, sum: each timed, nothing else
+    assert all(t > 0 for t in times.values())
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        measure_compute_us(graph, [torch.randn(2, 2), torch.randn(2, 2)], repeats=0)

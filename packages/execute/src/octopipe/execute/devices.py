@@ -27,6 +27,7 @@ __all__ = [
     "gpu_problem",
     "is_gpu",
     "probe_gpus",
+    "probe_pairs",
     "rank_device",
     "submission_problem",
 ]
@@ -61,11 +62,19 @@ def rank_device(kind: str, local_rank: int) -> str:
     return "cpu" if kind == "cpu" else f"cuda:{local_rank}"
 
 
-def gpu_problem(
-    kind: str, ranks_here: int, gpus_here: int, *, world_size: int | None = None, where: str = "this machine"
-) -> str:
-    """Why ``ranks_here`` ranks (of ``world_size``, default ``ranks_here``) of a ``kind`` run cannot run on a
-    machine with ``gpus_here`` GPUs ('' if they can)."""
+def probe_pairs(kind: str, num_ranks: int) -> list[tuple[int, int]]:
+    """Which pairs of local ranks a link probe measures: on CPU one pair stands for all (every local pair
+    shares the loopback); on GPUs every pair (NVLink, PCIe or a NIC: each pair its own link)."""
+    if num_ranks < 2:
+        raise ValueError(f"a link needs two ranks, got {num_ranks}")
+    if kind == "cpu":
+        return [(0, 1)]
+    return [(a, b) for a in range(num_ranks) for b in range(a + 1, num_ranks)]
+
+
+def gpu_problem(kind: str, ranks_here: int, gpus_here: int, *, where: str = "this machine") -> str:
+    """Why ``ranks_here`` ranks of a ``kind`` run cannot run on a machine with ``gpus_here`` GPUs ('' if they
+    can)."""
     if kind != "cuda":
         return ""
     if gpus_here == 0:
@@ -74,12 +83,6 @@ def gpu_problem(
         return (
             f"device cuda: the plan puts {ranks_here} ranks on {where}, which has {gpus_here} GPU(s), and NCCL "
             f"refuses two ranks on one GPU: tune the plan for {gpus_here} rank(s) per machine, or add machines"
-        )
-    if (world_size or ranks_here) > 1:
-        return (
-            f"device cuda: the plan has {world_size or ranks_here} ranks, and messages between GPU ranks (NCCL "
-            "point-to-point in the verified order) are not built yet: run it on cpu, or put every stage on one "
-            "rank (e.g. `octopipe plan show --example zb-v --ranks 1`) to run on one GPU"
         )
     return ""
 
@@ -106,24 +109,23 @@ def capacity(kind: str, slots: int, gpus: int) -> int:
     return min(slots, gpus) if is_gpu(kind or "cpu") else slots
 
 
-def submission_problem(kind: str, world_size: int) -> str:
-    """Why a run of ``world_size`` ranks on ``kind`` cannot be submitted ('' when it can): an unknown device,
-    or what ``gpu_problem`` refuses whatever the nodes (GPU ranks that would exchange messages)."""
+def submission_problem(kind: str) -> str:
+    """Why a run on ``kind`` cannot be submitted ('' when it can): an unknown device. (Whether its ranks fit
+    the nodes' GPUs is the scheduler's to say: a run waits for GPU slots, and a node refuses a push it
+    cannot run.)"""
     if (kind or "cpu") not in RUN_DEVICES:
         return f"device {kind!r} is not known: use {' or '.join(RUN_DEVICES)}"
-    return gpu_problem(kind or "cpu", world_size, world_size, world_size=world_size, where="the cluster")
+    return ""
 
 
-def backend_problem(
-    backend: str, ranks_here: int, gpus_here: int, *, world_size: int, where: str = "this machine"
-) -> str:
-    """Why a node cannot run ``ranks_here`` ranks of a ``world_size``-rank run on ``backend`` ('' if it can);
-    an empty backend is the CPU's."""
+def backend_problem(backend: str, ranks_here: int, gpus_here: int, *, where: str = "this machine") -> str:
+    """Why a node cannot run ``ranks_here`` ranks of a run on ``backend`` ('' if it can); an empty backend is
+    the CPU's."""
     try:
         kind = backend_device(backend)
     except ValueError as exc:
         return str(exc)
-    return gpu_problem(kind, ranks_here, gpus_here, world_size=world_size, where=where)
+    return gpu_problem(kind, ranks_here, gpus_here, where=where)
 
 
 def probe_gpus(timeout_s: float = 10.0) -> list[Gpu]:

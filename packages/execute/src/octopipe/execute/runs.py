@@ -204,7 +204,13 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class ActionRecord:
-    """One action as it ran: times on the machine's monotonic clock (comparable across local ranks)."""
+    """One action as it ran: times on the machine's monotonic clock (comparable across local ranks).
+
+    ``start_ns``/``end_ns`` time the action's work on the rank's device (CUDA events on a GPU, aligned to
+    the step's start on the host clock; the host clock on CPU, where the work is done when the call
+    returns). ``host_start_ns``/``host_end_ns`` are the host clock around the call that queued it (0 where
+    not recorded): on CPU the same times, on a GPU when the host issued the work.
+    """
 
     action: str
     stream: str
@@ -214,6 +220,8 @@ class ActionRecord:
     held_bytes: int
     #: the process's resident set size after the action (0 where it was not measured)
     rss_bytes: int = 0
+    host_start_ns: int = 0
+    host_end_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -287,7 +295,10 @@ class StepTimeline:
             "loss": self.loss,
             "plan_switches": self.plan_switches,
             "checkpoint": self.checkpoint,
-            "records": [[r.action, r.stream, r.start_ns, r.end_ns, r.held_bytes, r.rss_bytes] for r in self.records],
+            "records": [
+                [r.action, r.stream, r.start_ns, r.end_ns, r.held_bytes, r.rss_bytes, r.host_start_ns, r.host_end_ns]
+                for r in self.records
+            ],
         }
 
     @classmethod

@@ -24,7 +24,7 @@ from octopipe.transform.costs import (
     roofline_costs,
     table_costs,
 )
-from octopipe.transform.device import CPU, Device, DeviceError, GpuInfo, visible_gpus
+from octopipe.transform.device import CPU, Device, DeviceError, GpuInfo, Stopwatch, visible_gpus
 from octopipe.transform.executable import ForwardContext, StageExecutable, WeightContext
 from octopipe.transform.fsdp import ShardConfig, ShardSpec, shard_parameters, shard_specs, unshard_tensor
 from octopipe.transform.fsdp_split import NOT_HANDLED, FSDPGraphs, FSDPStage, ParamChain, split_fsdp
@@ -65,6 +65,7 @@ __all__ = [
     "Simulation",
     "StageCompiler",
     "StageExecutable",
+    "Stopwatch",
     "WeightContext",
     "__version__",
     "comm_bytes",

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import operator
 import statistics
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -27,6 +26,7 @@ from torch import fx
 
 from octopipe.profile.v1 import profile_pb2
 from octopipe.transform.collectives import is_all_gather, is_all_to_all, is_collective, is_reduce_scatter, is_wait
+from octopipe.transform.device import CPU, Device
 
 __all__ = [
     "CostModel",
@@ -202,8 +202,11 @@ def profile_costs(
     return table_costs(table, {}, fallback=roofline_costs(roofline))
 
 
-def measure_compute_us(graph: fx.GraphModule, args: Sequence[object], *, repeats: int = 3) -> dict[fx.Node, float]:
-    """Median time of every compute node of ``graph`` over ``repeats`` runs (an fx Interpreter).
+def measure_compute_us(
+    graph: fx.GraphModule, args: Sequence[object], *, repeats: int = 3, device: Device = CPU
+) -> dict[fx.Node, float]:
+    """Median time of every compute node of ``graph`` over ``repeats`` runs (an fx Interpreter), on
+    ``device``'s clock (:class:`~octopipe.transform.device.Stopwatch`: CUDA events on a GPU).
 
     Collectives run for real, so every rank of their group must call this
     with the same graph at the same time; average the result over ranks
@@ -212,16 +215,25 @@ def measure_compute_us(graph: fx.GraphModule, args: Sequence[object], *, repeats
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     samples: dict[fx.Node, list[float]] = {}
+    spans: list[tuple[fx.Node, int]] = []  # (node, index of its start mark; its end is the next mark)
 
     class Timer(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
-            start = time.perf_counter_ns()
+            timed = n.op not in ("placeholder", "output") and not (is_collective(n) or is_wait(n))
+            if timed:
+                spans.append((n, len(watch.host)))
+                watch.mark()
             result = super().run_node(n)
-            if n.op not in ("placeholder", "output") and not (is_collective(n) or is_wait(n)):
-                samples.setdefault(n, []).append((time.perf_counter_ns() - start) / 1000.0)
+            if timed:
+                watch.mark()
             return result
 
     with torch.no_grad():
         for _ in range(repeats):
+            watch = device.stopwatch()
+            spans.clear()
             Timer(graph).run(*args)
+            times = watch.device_ns()
+            for n, index in spans:
+                samples.setdefault(n, []).append((times[index + 1] - times[index]) / 1000.0)
     return {n: statistics.median(v) for n, v in samples.items()}

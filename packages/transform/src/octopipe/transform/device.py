@@ -16,6 +16,7 @@ are), before anything runs on it. :func:`visible_gpus` lists what torch sees.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import torch
 
 from octopipe.transform.allocator import AllocatorPeak, CudaAllocatorPeak
 
-__all__ = ["CPU", "Device", "DeviceError", "GpuInfo", "visible_gpus"]
+__all__ = ["CPU", "Device", "DeviceError", "GpuInfo", "Stopwatch", "visible_gpus"]
 
 _Movable = TypeVar("_Movable", torch.Tensor, torch.nn.Module)
 
@@ -54,6 +55,47 @@ def visible_gpus() -> list[GpuInfo]:
         props = torch.cuda.get_device_properties(index)
         found.append(GpuInfo(index=index, name=props.name, memory_bytes=int(props.total_memory)))
     return found
+
+
+class Stopwatch:
+    """Times of the work a process queues on its device, marked as it is queued.
+
+    ``mark()`` returns the host clock (``time.perf_counter_ns``) now and, on
+    CUDA, records an event on the current stream behind the work queued so far.
+    ``device_ns()`` gives each mark's time on the device's clock, in the host
+    clock's nanoseconds: on CPU the host times themselves (the work is done when
+    it returns); on CUDA the first mark's host time plus each event's elapsed
+    time since the first event (CUDA-event timing, not host clocks). Reading
+    them waits for the last event: call it once, after the measured work was
+    queued (it is the one synchronization a measured step makes).
+    """
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.host: list[int] = []
+        self._events: list[torch.cuda.Event] = []
+
+    def mark(self) -> int:
+        now = time.perf_counter_ns()
+        if self.device.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._events.append(event)
+        self.host.append(now)
+        return now
+
+    def device_ns(self) -> list[int]:
+        """Every mark's device time, in mark order (CUDA: waits for the last mark's event)."""
+        if not self._events:
+            return list(self.host)
+        first, last = self._events[0], self._events[-1]
+        last.synchronize()
+        return [self.host[0] + round(first.elapsed_time(e) * 1e6) for e in self._events]
+
+    def elapsed_us(self, start: int, end: int) -> float:
+        """Microseconds on the device between mark ``start`` and mark ``end`` (indices)."""
+        times = self.device_ns()
+        return (times[end] - times[start]) / 1000.0
 
 
 @dataclass(frozen=True)
@@ -89,9 +131,10 @@ class Device:
         return torch.device(str(self))
 
     @property
-    def backend(self) -> Literal["gloo", "nccl"]:
-        """The process-group backend for ranks on this kind of device."""
-        return "nccl" if self.is_cuda else "gloo"
+    def backend(self) -> Literal["gloo", "cpu:gloo,cuda:nccl"]:
+        """The process-group backend for ranks on this kind of device: gloo on CPU; on CUDA NCCL for CUDA
+        tensors and gloo for any CPU tensor a collective is given (a flag, a size), so both work."""
+        return "cpu:gloo,cuda:nccl" if self.is_cuda else "gloo"
 
     def check(self) -> None:
         """Raise :class:`DeviceError` (one line) if this machine cannot run on the device."""
@@ -131,6 +174,15 @@ class Device:
         """Wait for the work queued on the device (only where a measurement must read a finished result)."""
         if self.is_cuda:
             torch.cuda.synchronize(self.index)
+
+    @property
+    def timing(self) -> str:
+        """What times the work queued on this device (:class:`Stopwatch`): ``host clock`` or ``cuda events``."""
+        return "cuda events" if self.is_cuda else "host clock"
+
+    def stopwatch(self) -> Stopwatch:
+        """A :class:`Stopwatch` for the work this process queues on the device."""
+        return Stopwatch(self)
 
     def memory_window(self) -> AllocatorPeak | CudaAllocatorPeak:
         """``with device.memory_window() as meter:``, then ``meter.peak_bytes`` / ``end_bytes`` above the start."""

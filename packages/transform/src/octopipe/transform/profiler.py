@@ -4,6 +4,11 @@ Each layer is compiled alone as a one-layer stage by the same
 :class:`~octopipe.transform.compiler.StageCompiler` the runtime compiles its
 stages with (so its costs are those of the graphs the runtime runs), and each
 graph timed: warm-up runs first, then the median of ``repeats`` timed runs.
+Timing and memory follow the profiler's device (``ProfilerConfig.device``,
+the model and inputs must be on it): on CPU the host clock and the profiler's
+memory events, on CUDA events around each graph (each sample waits for its own
+end event, which is what measuring needs) and the CUDA allocator's peak; the
+layers are timed in the dtype they hold (bf16 for a bf16 plan).
 Bytes are counted by storage, so views share their base's bytes and tensors
 that alias parameters (a transposed weight saved for backward) are not
 counted as activations.
@@ -12,7 +17,6 @@ counted as activations.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -22,8 +26,8 @@ from torch import nn
 from octopipe.capture import PipelineSpec, StageModule, pipeline_spec
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.transform.allocator import AllocatorPeak
 from octopipe.transform.compiler import StageCompiler
+from octopipe.transform.device import CPU, Device
 from octopipe.transform.executable import StageExecutable
 
 __all__ = ["ProfilerConfig", "format_profile", "profile_layers", "profile_stages", "storage_bytes"]
@@ -35,11 +39,13 @@ _MASTER_BYTES = 4
 
 @dataclass(kw_only=True, frozen=True)
 class ProfilerConfig:
-    """How to profile. ``optimizer_state_factor``: optimizer state bytes per float32 weight byte (AdamW: 2)."""
+    """How to profile. ``optimizer_state_factor``: optimizer state bytes per float32 weight byte (AdamW: 2).
+    ``device``: where the model and inputs are, and so what times and meters the graphs."""
 
     repeats: int = 5
     warmup: int = 2
     optimizer_state_factor: float = 2.0
+    device: Device = CPU
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.warmup < 0:
@@ -58,23 +64,24 @@ def storage_bytes(tensors: Iterable[object], *, exclude: Iterable[torch.Tensor] 
     return sum(seen.values())
 
 
-def _median_us(run: Callable[[], object], prepare: Callable[[], object], repeats: int, warmup: int) -> float:
+def _median_us(run: Callable[[], object], prepare: Callable[[], object], config: ProfilerConfig) -> float:
     samples = []
-    for index in range(warmup + repeats):
+    for index in range(config.warmup + config.repeats):
         prepare()
-        start = time.perf_counter_ns()
+        watch = config.device.stopwatch()
+        watch.mark()
         run()
-        elapsed = time.perf_counter_ns() - start
-        if index >= warmup:
-            samples.append(elapsed / 1000.0)
+        watch.mark()
+        if index >= config.warmup:
+            samples.append(watch.elapsed_us(0, 1))
     return statistics.median(samples)
 
 
-def _scratch(run: Callable[[], object], kept: Callable[[], int] = lambda: 0) -> int:
+def _scratch(device: Device, run: Callable[[], object], kept: Callable[[], int] = lambda: 0) -> int:
     """The allocator's peak during ``run`` above the bytes ``run`` made and keeps (``kept()`` afterwards):
     its intermediates. (Not above the allocator's end level: frees of older tensors inside the window, which
     the allocator may or may not report, would move it.)"""
-    with AllocatorPeak() as meter:
+    with device.memory_window() as meter:
         run()
     return max(0, meter.peak_bytes - kept())
 
@@ -157,12 +164,13 @@ def _new_profile(
     links: Sequence[profile_pb2.LinkCost],
     model_reference: plan_pb2.ModelReference | None,
 ) -> profile_pb2.Profile:
-    profile = profile_pb2.Profile(device="cpu", microbatch_size=microbatch_size)
+    profile = profile_pb2.Profile(device=config.device.kind, microbatch_size=microbatch_size)
     if model_reference is not None:
         profile.model.CopyFrom(model_reference)
     profile.labels["torch"] = torch.__version__
     profile.labels["threads"] = str(torch.get_num_threads())
     profile.labels["repeats"] = str(config.repeats)
+    profile.labels["timing"] = config.device.timing
     profile.links.extend(links)
     return profile
 
@@ -222,10 +230,10 @@ def _layer_cost(exe: StageExecutable, inputs: list[torch.Tensor], config: Profil
         backward_input()
 
     cost = profile_pb2.LayerCost()
-    cost.forward_duration_us = _median_us(forward, nothing, config.repeats, config.warmup)
-    cost.backward_input_duration_us = _median_us(backward_input, forward, config.repeats, config.warmup)
-    cost.backward_weight_duration_us = _median_us(backward_weight, forward_then_b, config.repeats, config.warmup)
-    cost.full_backward_duration_us = _median_us(full, forward, config.repeats, config.warmup)
+    cost.forward_duration_us = _median_us(forward, nothing, config)
+    cost.backward_input_duration_us = _median_us(backward_input, forward, config)
+    cost.backward_weight_duration_us = _median_us(backward_weight, forward_then_b, config)
+    cost.full_backward_duration_us = _median_us(full, forward, config)
 
     forward()
     ctx = state["ctx"]
@@ -249,14 +257,14 @@ def _layer_cost(exe: StageExecutable, inputs: list[torch.Tensor], config: Profil
         made = [*state["grads"], *(state["wctx"].tensors or [])]  # type: ignore[attr-defined,misc]
         return storage_bytes(made, exclude=[*outside, *saved_before])
 
-    cost.forward_scratch_bytes = _scratch(forward, forward_kept)
+    cost.forward_scratch_bytes = _scratch(config.device, forward, forward_kept)
     saved_before[:] = [t for t in state["ctx"].saved or [] if isinstance(t, torch.Tensor)]  # type: ignore[attr-defined]
-    cost.backward_input_scratch_bytes = _scratch(backward_input, input_kept)
+    cost.backward_input_scratch_bytes = _scratch(config.device, backward_input, input_kept)
     saved_before.clear()
     # W and the fused backward return the parameter gradients: their bytes are part of the scratch by design
-    cost.backward_weight_scratch_bytes = _scratch(backward_weight)
+    cost.backward_weight_scratch_bytes = _scratch(config.device, backward_weight)
     forward()
-    cost.full_backward_scratch_bytes = _scratch(full)
+    cost.full_backward_scratch_bytes = _scratch(config.device, full)
     state.clear()
     cost.activation_saved_bytes = saved
     cost.activation_freed_by_backward_weight_bytes = held

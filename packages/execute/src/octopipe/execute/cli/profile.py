@@ -12,6 +12,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from octopipe.execute.cli.progress import spinner
+from octopipe.execute.devices import RUN_DEVICES, rank_device
 from octopipe.ir import COMPUTE_DTYPES
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
@@ -36,7 +37,18 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
         help="the dtype layers hold and compute in (bfloat16: float32 master weights and gradients); recorded in "
         "the Profile, and plans tuned from it run in it",
     )
-    parser.add_argument("--link", action="store_true", help="also measure the gloo link between two local ranks")
+    parser.add_argument(
+        "--device",
+        choices=RUN_DEVICES,
+        default="cpu",
+        help="where layers run and are timed: cpu (host clock) or cuda (GPU 0; CUDA events, the CUDA allocator)",
+    )
+    parser.add_argument(
+        "--link",
+        action="store_true",
+        help="also measure the links between local ranks (cpu: gloo, one pair stands for all; cuda: NCCL, every "
+        "pair of --ranks GPUs)",
+    )
     parser.add_argument("--ranks", type=int, default=2, help="--link: write the local link for every pair of N ranks")
     parser.add_argument("--out", type=Path, default=Path("out/profile.binpb"), help=".binpb or .json")
     parser.add_argument("--json", action="store_true", help="print the Profile as JSON instead of a table")
@@ -73,9 +85,9 @@ def run(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415 - torch loads only for commands that need it
 
     from octopipe.examples import ModelConfig, workload  # noqa: PLC0415
-    from octopipe.execute.runtime.linkprobe import local_links, measure_link  # noqa: PLC0415
+    from octopipe.execute.runtime.linkprobe import measure_links  # noqa: PLC0415
     from octopipe.execute.runtime.precision import dtype_named  # noqa: PLC0415
-    from octopipe.transform import ProfilerConfig, format_profile, profile_layers  # noqa: PLC0415
+    from octopipe.transform import Device, ProfilerConfig, format_profile, profile_layers  # noqa: PLC0415
 
     if args.out.suffix not in (".binpb", ".pb", ".json"):
         raise ValueError(f"--out {args.out}: use a .binpb, .pb or .json file")
@@ -83,12 +95,16 @@ def run(args: argparse.Namespace) -> int:
     chosen = replace(base, config=ModelConfig.tiny()) if args.tiny else base
     if args.sequence:
         chosen = replace(chosen, sequence=args.sequence)
+    if args.link and args.ranks < 2:
+        raise ValueError(f"--ranks {args.ranks}: a link needs at least 2 ranks")
+    device = Device.parse(rank_device(args.device, 0))
+    device.activate()  # no CUDA here: one line, before anything is built
     torch.set_num_threads(1)
-    model = chosen.model(seed=0).to(dtype_named(args.precision))
-    tokens, targets = chosen.batch(seed=0)
+    model = device.put(chosen.model(seed=0).to(dtype_named(args.precision)))
+    tokens, targets = map(device.put, chosen.batch(seed=0))
     size = args.microbatch_size or chosen.microbatch_size
-    with spinner("measuring the gloo link between two local ranks ...", enabled=args.link and not args.json):
-        links = local_links(measure_link()[0], args.ranks) if args.link else []
+    with spinner(f"measuring the links between {args.ranks} local ranks ...", enabled=args.link and not args.json):
+        links = measure_links(args.ranks, device=args.device) if args.link else []
     reference = plan_pb2.ModelReference(name=chosen.name, source="octopipe.examples:workload")
     reference.config["sequence"] = str(chosen.sequence)
     reference.config["tiny"] = str(args.tiny).lower()
@@ -97,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
             model,
             tokens[:size],
             targets[:size],
-            config=ProfilerConfig(repeats=args.repeats),
+            config=ProfilerConfig(repeats=args.repeats, device=device),
             links=links,
             model_reference=reference,
         )

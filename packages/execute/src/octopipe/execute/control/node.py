@@ -384,9 +384,7 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
             return f"assignment ranks {ranks} must be distinct ranks below {world}"
         if len(ranks) > self.config.slots:
             return f"{len(ranks)} ranks assigned, but node {self.config.node_id} has {self.config.slots} slots"
-        problem = backend_problem(
-            assignment.backend, len(ranks), len(self.gpus), world_size=world, where=f"node {self.config.node_id}"
-        )
+        problem = backend_problem(assignment.backend, len(ranks), len(self.gpus), where=f"node {self.config.node_id}")
         if problem:
             return problem
         source = request.plan.model.source

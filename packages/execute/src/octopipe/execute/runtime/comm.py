@@ -14,6 +14,17 @@ order cannot deadlock. Messages carry their transfer id as the tag (the same
 on both ends: both compile the same plan), so a mismatch would hang rather
 than deliver the wrong tensor — and every wait has a deadline.
 
+Each direction between two ranks is its own process group
+(:func:`channel_groups`), on gloo as on NCCL: NCCL ignores tags and runs one
+communicator's operations in order on one stream, so a sender -> receiver
+channel that shared its communicator with the opposite direction could wait
+behind a receive the peer posts later; with a communicator per direction the
+k-th send of a channel meets the k-th receive posted on it, which is what the
+program compiler verified. On CUDA torch's NCCL process group runs the
+operations on its own streams, ordered against the compute stream with
+events: a send waits for the kernels that made its tensor, the compute that
+consumes a receive waits for the receive; the host never blocks on the GPU.
+
 A transfer may carry several tensors (a whole-model stage's boundary: hidden
 states, router logits, ...): they go in order, one after the other, on the
 transfer's channel thread under the transfer's tag, so the channel still
@@ -39,7 +50,7 @@ import torch.distributed as dist
 from octopipe.ir.program import Program
 from octopipe.transform.device import CPU, Device
 
-__all__ = ["Aborted", "BufferSpec", "Channels", "CommTimeout"]
+__all__ = ["Aborted", "BufferSpec", "Channels", "CommTimeout", "channel_groups", "program_channels"]
 
 #: a receive buffer's shape and dtype
 BufferSpec = tuple[torch.Size, torch.dtype]
@@ -65,19 +76,54 @@ class _Op:
     error: str = ""
 
 
+#: (source, destination) global ranks -> the process group of that direction
+ChannelGroups = Mapping[tuple[int, int], dist.ProcessGroup]
+
+
+def program_channels(program: Program) -> list[tuple[int, int]]:
+    """The directions (sending rank, receiving rank) a program's messages take, sorted: the same on every
+    rank (each compiles the same plan)."""
+    return sorted({(program.sender[t][0], program.receiver[t][0]) for t in range(program.num_transfers)})
+
+
+def channel_groups(directions: Sequence[tuple[int, int]]) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """One process group per direction (global ranks), created by every process of the world in the same
+    order (``dist.new_group`` is collective): call it on every rank with the same ``directions``. Returns the
+    groups this process is a member of."""
+    me = dist.get_rank()
+    groups = {}
+    for source, destination in sorted(set(directions)):
+        if source == destination:
+            raise ValueError(f"a channel from rank {source} to itself: a rank sends nothing to itself")
+        group = dist.new_group([source, destination])
+        if me in (source, destination):
+            assert isinstance(group, dist.ProcessGroup)
+            groups[(source, destination)] = group
+    return groups
+
+
 class _Channel:
     """One direction between this rank and a peer: a thread that runs its operations one after the other."""
 
     def __init__(
-        self, name: str, issue: Callable[[_Op, torch.Tensor], dist.Work], timeout_s: float, log: list[int]
+        self,
+        name: str,
+        issue: Callable[[_Op, torch.Tensor], dist.Work],
+        timeout_s: float,
+        log: list[int],
+        device: Device,
     ) -> None:
         self.ops: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
-        self.issue, self.timeout_s, self.log = issue, timeout_s, log
+        self.issue, self.timeout_s, self.log, self.device = issue, timeout_s, log, device
         self.broken = ""
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
+        with self.device.current():  # a thread's current GPU is its own: the rank's, as on the program's thread
+            self._run()
+
+    def _run(self) -> None:
         while (op := self.ops.get()) is not None:
             if not self.broken:
                 try:
@@ -108,7 +154,10 @@ class Channels:
     list of them for a transfer that carries several tensors. With a
     pp x dp mesh, ``peers`` maps each pipeline rank to the global rank of this
     replica's copy of it, so messages go between matching replicas. Receive
-    buffers are made on ``device`` (the rank's).
+    buffers are made on ``device`` (the rank's). ``groups`` gives each
+    direction's process group (:func:`channel_groups`, global ranks); without
+    it every channel uses the default group (gloo only: tags keep the
+    directions apart there).
     """
 
     def __init__(
@@ -119,13 +168,13 @@ class Channels:
         buffer_spec: Callable[[int], BufferSpec | Sequence[BufferSpec]],
         timeout_s: float,
         aborted: Callable[[], str | None],
-        group: dist.ProcessGroup | None = None,
+        groups: ChannelGroups | None = None,
         peers: Mapping[int, int] | None = None,
         device: Device = CPU,
     ) -> None:
         self.program, self.rank, self.device = program, rank, device
         self.peers = dict(peers) if peers is not None else None
-        self.buffer_spec, self.timeout_s, self.aborted, self.group = buffer_spec, timeout_s, aborted, group
+        self.buffer_spec, self.timeout_s, self.aborted, self.groups = buffer_spec, timeout_s, aborted, groups
         #: channel ("send", peer) or ("recv", peer) -> the transfers in the order they started, over all steps
         self.started: dict[tuple[str, int], list[int]] = {}
         self._channels: dict[tuple[str, int], _Channel] = {}
@@ -140,15 +189,23 @@ class Channels:
         if channel is None:
             log = self.started.setdefault(key, [])
             process = self._process(peer)
+            me = self._process(self.rank)
+            direction_key = (me, process) if direction == "send" else (process, me)
+            group = None if self.groups is None else self.groups.get(direction_key)
+            if self.groups is not None and group is None:
+                raise RuntimeError(
+                    f"no process group for the channel from rank {direction_key[0]} to "
+                    f"{direction_key[1]}: the plan's messages take a direction opened for none"
+                )
 
             def issue(op: _Op, tensor: torch.Tensor) -> dist.Work:
                 call = dist.isend if op.send else dist.irecv
-                work = call(tensor, process, group=self.group, tag=op.transfer)
+                work = call(tensor, process, group=group, tag=op.transfer)
                 assert work is not None
                 return work
 
             name = f"octopipe-{direction}-{'to' if direction == 'send' else 'from'}-{peer}"
-            channel = self._channels[key] = _Channel(name, issue, self.timeout_s, log)
+            channel = self._channels[key] = _Channel(name, issue, self.timeout_s, log, self.device)
         return channel
 
     def post_recv(self, transfer: int) -> torch.Tensor:

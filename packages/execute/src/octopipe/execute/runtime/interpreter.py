@@ -32,7 +32,6 @@ are assertions, not checks.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -52,6 +51,7 @@ from octopipe.transform import (
     OverlapStage,
     StageCompiler,
     StageExecutable,
+    Stopwatch,
     WeightContext,
     storage_bytes,
 )
@@ -167,6 +167,8 @@ class RankRuntime:
         self.channels = channels
         self.num_params = {s: e.graphs.num_params for s, e in stages.items()}
         self.grads: dict[int, list[torch.Tensor | None]] = {s: [None] * n for s, n in self.num_params.items()}
+        #: the last step's recorded actions: (start mark, end mark) indices on its stopwatch
+        self.action_marks: list[tuple[int, int]] = []
         #: stage -> parameter indices whose gradients are kept per micro-batch (not summed here)
         self.per_microbatch = {s: frozenset(i) for s, i in (per_microbatch or {}).items()}
         #: (stage, parameter index) -> one gradient per micro-batch (None until its backward ran)
@@ -230,8 +232,16 @@ class RankRuntime:
         microbatches: list[tuple[torch.Tensor, torch.Tensor]],
         *,
         on_action: Callable[[ActionRecord], None] | None = None,
+        stopwatch: Stopwatch | None = None,
     ) -> torch.Tensor | None:
-        """Run the program once; return the mean loss if this rank holds the last stage."""
+        """Run the program once; return the mean loss if this rank holds the last stage.
+
+        With ``on_action``, each action's record goes to it as the action returns, with host times;
+        ``stopwatch`` (the device's, default a new one) marks each action's start and end, and
+        ``action_marks`` lists the marks' indices per recorded action, to read the device's times after the
+        step (:meth:`Stopwatch.device_ns`)."""
+        watch = stopwatch if stopwatch is not None else self.channels.device.stopwatch()
+        self.action_marks = []
         state = _StepState(static=self.static)
         for stage in self.sharded:  # last step's gathered parameters are stale after the optimizer step
             self._drop_gathered(stage)
@@ -239,14 +249,15 @@ class RankRuntime:
         self._restatic()
         codes = self.program.codes[self.rank]
         for index, action in enumerate(self.actions):
-            start = time.perf_counter_ns()
+            start = watch.mark() if on_action is not None else 0
             try:
                 if codes[index] <= OVERLAP:  # a computation first waits for the transfers it consumes
                     for transfer in self.program.transfers_waited(self.rank, index):
                         self.channels.wait(transfer, f"rank {self.rank}, step {step} ({action})")
                 self._run(index, action, state, microbatches)
                 if on_action is not None:
-                    end = time.perf_counter_ns()
+                    end = watch.mark()
+                    self.action_marks.append((len(watch.host) - 2, len(watch.host) - 1))
                     stream = stream_of(codes[index])
                     on_action(ActionRecord(str(action), stream, start, end, state.held_bytes(), rss_bytes()))
             except Exception as exc:

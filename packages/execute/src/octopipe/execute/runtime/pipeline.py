@@ -33,7 +33,7 @@ from octopipe.execute.runtime import (
     timelines_to_proto,
 )
 from octopipe.execute.runtime.linkprobe import local_links
-from octopipe.execute.runtime.models import model_inputs
+from octopipe.execute.runtime.models import model_inputs, on_device
 from octopipe.execute.runtime.precision import dtype_named, in_precision
 from octopipe.execute.runtime.whole_model import whole_model_stages
 from octopipe.plan.v1 import plan_pb2
@@ -49,7 +49,7 @@ from octopipe.simulate import (
     local_link,
     simulate,
 )
-from octopipe.transform import ProfilerConfig, StageCompiler, profile_layers, profile_stages
+from octopipe.transform import Device, ProfilerConfig, StageCompiler, profile_layers, profile_stages
 from octopipe.tune import TuneConfig, TuneResult, equal_partition, one_f_one_b, tune, zb_h1
 
 __all__ = [
@@ -86,8 +86,12 @@ def profile_reference(
     seed: int = 0,
     compiler: StageCompiler | None = None,
     precision: str = "",
+    device: str = "cpu",
 ) -> profile_pb2.Profile:
     """Profile the layers of the model ``reference`` names on one micro-batch of its step-0 batch.
+
+    ``device``: where the layers run and are timed (``cpu``, or ``cuda[:N]``: CUDA events and the CUDA
+    allocator; the Profile's ``device`` says which).
 
     ``precision``: the compute dtype (``float32``, the default, or ``bfloat16``), as a plan's
     ``precision.compute_dtype``: the model is cast to it as the runtime casts it, and the Profile
@@ -104,7 +108,9 @@ def profile_reference(
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    built = in_precision(build_model(reference, seed=seed), dtype_named(precision))
+    where = Device.parse(device)
+    where.activate()
+    built = on_device(in_precision(build_model(reference, seed=seed), dtype_named(precision)), where)
     inputs, targets = built.batch(0)
     size = inputs.shape[0] // num_microbatches
     if size < 1 or inputs.shape[0] % num_microbatches:
@@ -123,7 +129,7 @@ def profile_reference(
                 whole.examples,
                 [stage.layer_names[0] for stage in whole.stages],
                 microbatch_size=size,
-                config=ProfilerConfig(repeats=repeats),
+                config=ProfilerConfig(repeats=repeats, device=where),
                 links=links,
                 model_reference=reference,
                 compiler=compiler,
@@ -143,7 +149,7 @@ def profile_reference(
             built.model,
             inputs[:size],
             targets[:size],
-            config=ProfilerConfig(repeats=repeats),
+            config=ProfilerConfig(repeats=repeats, device=where),
             links=links,
             model_reference=reference,
             compiler=compiler,

@@ -18,8 +18,8 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -31,7 +31,7 @@ from octopipe.capture import StageModule
 from octopipe.execute.processes import die_with_parent
 from octopipe.execute.runs import ABORT_KEY, PLAN_KEY, ActionRecord, StepTimeline, WorkerConfig, same_layout
 from octopipe.execute.runtime.checkpoint import load_checkpoint, save_checkpoint
-from octopipe.execute.runtime.comm import Channels
+from octopipe.execute.runtime.comm import Channels, channel_groups, program_channels
 from octopipe.execute.runtime.interpreter import RankRuntime
 from octopipe.execute.runtime.memory import MemoryMeasurement, resident_bytes
 from octopipe.execute.runtime.mesh import MeshRank
@@ -40,7 +40,7 @@ from octopipe.execute.runtime.pinning import pin_rank
 from octopipe.execute.runtime.precision import Weights, in_precision, plan_dtype
 from octopipe.execute.runtime.stages import rank_stages, split_batch
 from octopipe.execute.runtime.whole_model import buffer_specs, guard, reduce_tied, tied_indices
-from octopipe.ir import compile_plan, stage_ranks
+from octopipe.ir import Program, compile_plan, stage_ranks
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform import Device, StageCompiler, StageExecutable
 
@@ -208,11 +208,20 @@ def _run_plan(
     def aborted() -> str | None:
         return store.get(ABORT_KEY).decode() if store.check([ABORT_KEY]) else None
 
+    def directions(program: Program) -> list[tuple[int, int]]:  # every replica's channels, in global ranks
+        spec = mesh.spec
+        pairs = program_channels(program)
+        return [(spec.global_rank(a, d), spec.global_rank(b, d)) for d in range(spec.dp) for a, b in pairs]
+
+    groups = channel_groups(directions(compile_plan(plan)))  # collective: one group per direction, every rank
+
     def make_runtime(current: plan_pb2.Plan) -> RankRuntime:
         program = compile_plan(current)  # the one program the simulator timed and the verifier checked
+        # a switch keeps the layout (same_layout), so its messages take the directions opened above
         channels = Channels(
             program=program,
             rank=prank,
+            groups=groups,
             peers=mesh.peers,
             buffer_spec=buffer_specs(program, boundaries),
             timeout_s=config.timeout_s,
@@ -264,10 +273,9 @@ def _run_plan(
                 runtime.channels.close()
                 runtime = make_runtime(plan)
         dist.barrier()  # ranks start each step together, so measured timelines line up
-        step_start = time.perf_counter_ns()
-        loss = runtime.run_step(step, microbatches, on_action=recorder)
-        if loss is not None:
-            losses.append(float(loss))
+        watch = device.stopwatch()  # the step's times on the device: CUDA events on a GPU
+        watch.mark()
+        loss = runtime.run_step(step, microbatches, on_action=recorder, stopwatch=watch)
         for s in mine:
             names = executables[s].graphs.param_names
             for name, grad in zip(names, runtime.grads[s], strict=True):
@@ -275,13 +283,21 @@ def _run_plan(
         if ties:  # a collective: every rank, every step, the same order
             for (_, name), grad in reduce_tied(ties, stages, runtime, plain, holder).items():
                 weights.set_grad(canonical[name], grad)
-        step_end = time.perf_counter_ns()  # the tied-gradient exchange is part of the step (as simulated)
+        watch.mark()  # the step ends here: the tied-gradient exchange is part of it (as simulated)
         if step == config.start_step and config.keep_grads:
             first_grads = {n: g.clone() for n in params if (g := weights.grad(n)) is not None}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         weights.publish()
         runtime.zero_grads()
+        # the one wait for the device a step makes: after the update was queued, to read the step's times
+        times = watch.device_ns()
+        records = tuple(
+            replace(r, start_ns=times[a], end_ns=times[b], host_start_ns=r.start_ns, host_end_ns=r.end_ns)
+            for r, (a, b) in zip(recorder.records, runtime.action_marks, strict=True)
+        )
+        if loss is not None:
+            losses.append(float(loss))
         saved = None
         if config.checkpoint_every and config.checkpoint_dir and (step + 1) % config.checkpoint_every == 0:
             save_checkpoint(config.checkpoint_dir, step + 1, weights.optimized, optimizer, suffix=suffix)
@@ -289,9 +305,9 @@ def _run_plan(
         timeline = StepTimeline(
             rank=rank,
             step=step,
-            start_ns=step_start,
-            end_ns=step_end,
-            records=tuple(recorder.records),
+            start_ns=times[0],
+            end_ns=times[-1],
+            records=records,
             loss=None if loss is None else float(loss),
             plan_switches=switches,
             checkpoint=saved,

@@ -31,7 +31,6 @@ from octopipe.execute.control.security import ADMIN, COORDINATOR, NODE, CertPath
 from octopipe.execute.control.state import StateLock
 from octopipe.execute.control.submission import adapt_problem, check_plan, profile_problem, run_id_problem
 from octopipe.execute.devices import is_gpu, submission_problem
-from octopipe.ir import mesh_spec
 from octopipe.node.v1 import node_pb2
 
 __all__ = ["Coordinator"]
@@ -168,7 +167,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
             problem = "num_steps must be at least 1 (a run of no steps does nothing)"
         problem = problem or check_plan(request.plan, num_steps=request.num_steps)
         if not problem:
-            problem = submission_problem(request.device, mesh_spec(request.plan).world_size)
+            problem = submission_problem(request.device)
         if not problem and request.adapt:
             problem = adapt_problem(request)
         elif not problem and request.profile.layers:
