@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 
 from octopipe.capture import StageModule, capture_stage, pipeline_spec
 from octopipe.examples.models import DecoderLM, ModelConfig
-from octopipe.transform import StageExecutable, storage_bytes
+from octopipe.transform import Device, StageExecutable, storage_bytes
 
 BLOCKS = {"llama": ("attention", "swiglu"), "moe": ("attention", "moe"), "mamba": ("mamba", "none")}
 
@@ -55,18 +54,18 @@ def bench_block(
     x = torch.randn(batch, sequence, config.hidden, device=device, dtype=kind)
     exe = StageExecutable.from_module(stage, capture_stage(stage, [x], stage_index=1))
     grad = torch.randn(batch, sequence, config.hidden, device=device, dtype=kind)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    where = Device.parse(device)
     params = list(stage.parameters())
     times: dict[str, list[float]] = {
         k: [] for k in ("ours_fused", "ours_b", "ours_w", "torch_fused", "torch_i", "torch_w")
     }
 
     def timed(key: str, fn: Callable[..., Any], *args: Any) -> Any:
-        sync()
-        start = time.perf_counter_ns()
+        watch = where.stopwatch()  # CUDA events on a GPU, the host clock on CPU
+        watch.mark()
         result = fn(*args)
-        sync()
-        times[key].append((time.perf_counter_ns() - start) / 1e6)
+        watch.mark()
+        times[key].append(watch.elapsed_us(0, 1) / 1e3)
         return result
 
     held = saved = 0
@@ -133,11 +132,19 @@ def main() -> None:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     torch.set_num_threads(1)
     rows = [
-        bench_block(b, repeats=args.repeats, warmup=args.warmup, sequence=args.sequence, batch=args.batch)
+        bench_block(
+            b,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            sequence=args.sequence,
+            batch=args.batch,
+            device=args.device,
+            dtype=args.dtype,
+        )
         for b in args.blocks
     ]
     print(
-        f"split overhead, fp32, 1 thread, micro-batch {args.batch} x {args.sequence} tokens, hidden 256; median [p10, p90] over {args.repeats} interleaved runs"
+        f"split overhead, {args.dtype} on {args.device}, 1 thread, micro-batch {args.batch} x {args.sequence} tokens, hidden 256; median [p10, p90] over {args.repeats} interleaved runs"
     )
     print(
         f"{'block':<7} {'ours fused ms':>15} {'ours B+W/fused':>22} {'torch fused ms':>15} {'torch I+W/fused':>22} {'F saved MiB':>12} {'B->W MiB':>9}"
@@ -154,6 +161,8 @@ def main() -> None:
     meta = {
         "torch": torch.__version__,
         "threads": 1,
+        "device": args.device,
+        "dtype": args.dtype,
         "batch": args.batch,
         "sequence": args.sequence,
         "repeats": args.repeats,

@@ -147,14 +147,28 @@ def test_run_on_cuda_without_a_gpu_is_one_line_before_any_rank_however_many_rank
 def test_the_prepared_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     command = [sys.executable, str(ROOT / "bench/gpu_check.py"), "--device", "cpu", "--steps", "2"]
-    command += ["--workloads", "llama-8", "--schedules", "1f1b,zb-h1", "--out", str(out)]
+    command += ["--workloads", "llama-8", "--schedules", "1f1b,zb-h1", "--precisions", "bfloat16", "--out", str(out)]
+    command += ["--profile-repeats", "1", "--split-repeats", "1", "--split-sequence", "16"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads(out.read_text())
-    assert [(p["workload"], p["schedule"]) for p in record["plans"]] == [("llama-8", "1f1b"), ("llama-8", "zb-h1")]
+    assert [(p["workload"], p["schedule"], p["precision"]) for p in record["plans"]] == [
+        ("llama-8", "1f1b", "bfloat16"),
+        ("llama-8", "zb-h1", "bfloat16"),
+    ]
     assert record["every_schedule_same_first_loss"] and record["tests"] == {"skipped": "device cpu"}
+    for plan in record["plans"]:  # predicted (profile on the device) against measured (run and allocator)
+        assert plan["predicted_step_ms"] > 0 and plan["step"]["median_ms"] > 0 and plan["step_time_error"] >= 0
+        assert plan["allocator_peak_bytes"] > 0 and plan["memory_error"] is not None
+        assert {"F", "SEND_F"} & set(plan["actions"]) == {"F"}  # one rank: no messages
+        for clocks in plan["actions"].values():  # on the CPU the device's clock is the host's
+            assert clocks["device_us"] == clocks["host_us"] > 0
+    split = record["split_overhead"]
+    assert split["dtype"] == "float32" and sorted(r["block"] for r in split["rows"]) == ["llama", "mamba", "moe"]
+    assert (
+        record["machine"]["gpus"] == [] and "NCCL between GPUs" in record["not_checked"][0]
+    )  # said in the JSON, not left out
     assert all(p["step"]["samples"] == 1 and p["memory"]["peak_bytes"] > 0 for p in record["plans"])
-    assert len(record["not_checked_yet"]) == 4  # what it does not check yet is in the JSON, not left out
 
 
 def test_a_node_reports_its_gpus_and_refuses_a_gpu_push_it_cannot_hold(
