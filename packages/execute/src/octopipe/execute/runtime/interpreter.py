@@ -416,7 +416,11 @@ class RankRuntime:
             self._drop_gathered(stage)
         else:
             assert stage not in self._reduced, f"stage {stage} reduced twice"
-            self.grads[stage] = sharded.reduce_grad(self.grads[stage])
+            reduced = sharded.reduce_grad(self.grads[stage])
+            wrong = {str(g.dtype) for g in reduced if g is not None and g.dtype != GRAD_DTYPE}
+            if wrong:  # mixed precision reduces in float32 (runtime.precision): never silently in bf16
+                raise RuntimeError(f"stage {stage}'s gradients were reduced in {sorted(wrong)}, not float32")
+            self.grads[stage] = reduced
             self._reduced.add(stage)
         self._restatic()
 
