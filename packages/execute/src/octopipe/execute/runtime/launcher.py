@@ -38,6 +38,7 @@ from octopipe.execute.runs import (
     RunResult,
     StepTimeline,
     WorkerConfig,
+    optimization_problem,
     precision_problem,
 )
 from octopipe.execute.runtime.pinning import shared_cores
@@ -77,9 +78,9 @@ def run_local_many(plans: Sequence[plan_pb2.Plan], options: RunOptions | None = 
             "plans run together must need the same number of processes (pipeline ranks x dp): "
             f"{[mesh.world_size for mesh in meshes]}"
         )
-    problem = next(filter(None, map(precision_problem, plans)), "") or gpu_problem(
-        options.device, world, len(visible_gpus())
-    )  # before any rank starts
+    problem = next(filter(None, map(precision_problem, plans)), "")
+    problem = problem or next((p for plan in plans if (p := optimization_problem(plan, options.optimization))), "")
+    problem = problem or gpu_problem(options.device, world, len(visible_gpus()))  # before any rank starts
     if problem:
         raise ValueError(problem)
     log = structlog.get_logger("octopipe.launcher")
@@ -130,7 +131,7 @@ def run_local_many(plans: Sequence[plan_pb2.Plan], options: RunOptions | None = 
     for index, (plan, mesh) in enumerate(zip(plans, meshes, strict=True)):
         last = [results[mesh.global_rank(plan.stages[-1].rank, d)][index]["losses"] for d in range(mesh.dp)]
         losses = [sum(step) / mesh.dp for step in zip(*last, strict=True)] if mesh.dp > 1 else list(last[0])
-        result = RunResult(losses=losses, wall_s=wall)
+        result = RunResult(losses=losses, wall_s=wall, grad_norms=list(results[0][index].get("grad_norms", [])))
         for per_rank in results:
             entry = per_rank[index]
             result.grads.update(entry["grads"])

@@ -2,19 +2,23 @@
 
 Same model, same data, same micro-batches: each micro-batch's loss is scaled
 by 1/m and back-propagated with eager autograd (gradients accumulate in
-micro-batch order), then AdamW steps — what every rank does for its stages.
+micro-batch order), then the optimizer steps as ``training.Optimization`` says (its groups, its
+learning-rate schedule, and ``torch.nn.utils.clip_grad_norm_`` over the whole model when it clips) —
+what every rank does for its stages.
 On ``device`` (default the CPU): built from the seed on the CPU and moved, as
 every rank's model is; the results come back as CPU tensors.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from octopipe.execute.runtime.models import build_model, on_device
+from octopipe.execute.runtime.optim import make_optimizer, set_learning_rate
 from octopipe.execute.runtime.precision import GRAD_DTYPE, Weights, in_precision
+from octopipe.execute.training import Optimization
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform.device import CPU, Device
 
@@ -26,6 +30,8 @@ class ReferenceResult:
     losses: list[float]
     grads: dict[str, torch.Tensor]
     params: dict[str, torch.Tensor]
+    #: each step's gradient norm before clipping (when it clips)
+    grad_norms: list[float] = field(default_factory=list)
 
 
 def reference_run(
@@ -34,7 +40,7 @@ def reference_run(
     num_microbatches: int,
     steps: int = 1,
     seed: int = 0,
-    learning_rate: float = 1e-3,
+    optimization: Optimization | None = None,
     device: Device = CPU,
     dtype: torch.dtype = torch.float32,
 ) -> ReferenceResult:
@@ -45,7 +51,8 @@ def reference_run(
     torch.set_num_threads(1)  # as on every rank: reductions split over threads can round differently
     try:
         with device.current():
-            return _reference(model_reference, num_microbatches, steps, seed, learning_rate, device, dtype)
+            chosen = optimization if optimization is not None else Optimization()
+            return _reference(model_reference, num_microbatches, steps, seed, chosen, device, dtype)
     finally:
         torch.set_num_threads(threads)
 
@@ -55,7 +62,7 @@ def _reference(
     num_microbatches: int,
     steps: int,
     seed: int,
-    learning_rate: float,
+    optimization: Optimization,
     device: Device,
     dtype: torch.dtype,
 ) -> ReferenceResult:
@@ -65,7 +72,8 @@ def _reference(
     built = on_device(in_precision(build_model(model_reference, seed=seed), dtype), device)
     params = dict(built.model.named_parameters())
     weights = Weights(params)
-    optimizer = torch.optim.AdamW(list(weights.optimized.values()), lr=learning_rate, foreach=False)
+    optimizer = make_optimizer(weights.optimized, {n: p.ndim for n, p in params.items()}, optimization)
+    norms: list[float] = []
     scale = torch.ones(()) / num_microbatches
     losses: list[float] = []
     first: dict[str, torch.Tensor] = {}
@@ -86,9 +94,16 @@ def _reference(
             weights.set_grad(name, summed.get(name))
         if step == 0:
             first = {n: CPU.put(g).clone() for n, g in summed.items()}
+        if optimization.clip_grad_norm:
+            masters = list(weights.optimized.values())
+            norms.append(float(torch.nn.utils.clip_grad_norm_(masters, optimization.clip_grad_norm, foreach=False)))
+        set_learning_rate(optimizer, optimization, step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         weights.publish()
     return ReferenceResult(
-        losses=losses, grads=first, params={n: CPU.put(p.detach()).clone() for n, p in weights.optimized.items()}
+        losses=losses,
+        grads=first,
+        params={n: CPU.put(p.detach()).clone() for n, p in weights.optimized.items()},
+        grad_norms=norms,
     )

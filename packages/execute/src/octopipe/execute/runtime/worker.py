@@ -36,6 +36,7 @@ from octopipe.execute.runtime.interpreter import RankRuntime
 from octopipe.execute.runtime.memory import MemoryMeasurement, resident_bytes
 from octopipe.execute.runtime.mesh import MeshRank
 from octopipe.execute.runtime.models import BuiltModel, build_model, on_device
+from octopipe.execute.runtime.optim import clip_global_norm, make_optimizer, set_learning_rate
 from octopipe.execute.runtime.pinning import pin_rank
 from octopipe.execute.runtime.precision import Weights, in_precision, plan_dtype
 from octopipe.execute.runtime.stages import rank_stages, split_batch
@@ -191,6 +192,7 @@ def _run_plan(
     # built from the seed on the CPU in float32, cast to the plan's compute dtype, then moved: every device
     # and precision starts from the same weights and data
     built = build_model(plan.model, seed=config.seed)
+    ndims = {name: p.ndim for name, p in built.model.named_parameters()}  # the model's order, before any shard
     built = on_device(in_precision(mesh.replica_model(built, m), plan_dtype(plan)), device)
     mine = sorted(s for s, r in placement.items() if r == prank)
     compiled = rank_stages(plan, built, mine, mesh, compiler)  # every stage module; this rank's compiled
@@ -252,7 +254,12 @@ def _run_plan(
         report = guard(whole, plain, first, built.input_names)
         numerics = {"reference_loss": report.reference_loss, "pipelined_loss": report.pipelined_loss}
         numerics["seconds"] = report.seconds
-    optimizer = torch.optim.AdamW(list(weights.optimized.values()), lr=config.learning_rate, foreach=False)
+    optimization = config.optimization
+    optimizer = make_optimizer(weights.optimized, ndims, optimization)
+    # a tied parameter's norm is counted by the holder of its first use (every holder has the summed gradient)
+    counted = {n for n in params if n not in tied_names}
+    counted |= {t.uses[0][1] for t in ties if holder(t.uses[0][0]) == rank and t.uses[0][1] in params}
+    grad_norms: list[float] = []
     losses: list[float] = []
     timelines: list[StepTimeline] = []
     first_grads: dict[str, torch.Tensor] = {}
@@ -286,6 +293,11 @@ def _run_plan(
         watch.mark()  # the step ends here: the tied-gradient exchange is part of it (as simulated)
         if step == config.start_step and config.keep_grads:
             first_grads = {n: g.clone() for n in params if (g := weights.grad(n)) is not None}
+        if optimization.clip_grad_norm:  # a collective: every rank, every step
+            grads = {n: weights.grad(n) for n in params}
+            norm = clip_global_norm(grads, list(ndims), optimization.clip_grad_norm, counted=counted, sharded=dp > 1)
+            grad_norms.append(norm)
+        set_learning_rate(optimizer, optimization, step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         weights.publish()
@@ -328,6 +340,7 @@ def _run_plan(
         if config.keep_params
         else {},
         "losses": losses,
+        "grad_norms": grad_norms,
         "grads": mesh.full(first_grads),  # whole tensors from the shards (a collective when dp > 1)
         "params": mesh.full({n: p.detach() for n, p in weights.optimized.items()}) if config.keep_params else {},
         "timelines": [t.as_dict() for t in timelines],

@@ -1,0 +1,135 @@
+"""The optimizer step of a training job (``training.Optimization``, ``runtime.optim``): AdamW and SGD,
+weight-decay groups, warm-up and decay, and global gradient-norm clipping over every stage and replica,
+against the single-process eager reference that uses ``torch.nn.utils.clip_grad_norm_``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from octopipe.execute.runs import RunOptions, optimization_problem
+from octopipe.execute.runtime import build_model, reference_run, run_local, workload_reference
+from octopipe.execute.runtime.optim import clip_global_norm, make_optimizer
+from octopipe.execute.training import Optimization
+from octopipe.ir import with_collectives
+from octopipe.plan.v1 import plan_pb2
+from octopipe.tune import equal_partition, one_f_one_b, zb_h1
+
+M = 4
+#: clips on every step of these tiny models (their gradient norms are ~1-3): the clipping is exercised
+CLIPPING = Optimization(
+    learning_rate=1e-2,
+    weight_decay=0.1,
+    decay_norms_and_biases=False,
+    warmup_steps=1,
+    schedule="cosine",
+    total_steps=3,
+    min_lr_ratio=0.1,
+    clip_grad_norm=0.5,
+)
+
+
+def _plan(ranks: int, dp: int = 1) -> plan_pb2.Plan:
+    reference = workload_reference("llama-8", tiny=True, sequence=8, global_batch=dp * M)
+    names = build_model(reference).model.pipeline_layers()  # type: ignore[operator]
+    plan = (zb_h1 if dp == 1 else one_f_one_b)(ranks, M, layer_names=equal_partition(names, ranks))
+    plan.model.CopyFrom(reference)
+    if dp > 1:
+        plan.mesh.dp = dp
+        plan = with_collectives(plan)
+    return plan
+
+
+def test_the_learning_rate_warms_up_then_decays_to_its_floor() -> None:
+    cosine = Optimization(learning_rate=1.0, warmup_steps=2, schedule="cosine", total_steps=6, min_lr_ratio=0.1)
+    rates = [cosine.lr_at(s) for s in range(8)]
+    assert rates[:2] == [0.5, 1.0]  # linear warm-up: (s + 1) / warmup
+    assert rates[2] == 1.0 and rates[6] == rates[7] == pytest.approx(0.1)  # from the peak to the floor, then kept
+    assert rates[4] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    linear = Optimization(learning_rate=2.0, schedule="linear", total_steps=4)
+    assert [linear.lr_at(s) for s in range(5)] == [2.0, 1.5, 1.0, 0.5, 0.0]
+    assert Optimization().lr_at(1000) == 1e-3  # the default: constant
+    with pytest.raises(ValueError, match="make total_steps larger than warmup_steps"):
+        Optimization(schedule="cosine", warmup_steps=5, total_steps=5)
+    with pytest.raises(ValueError, match="optimizer must be one of adamw, sgd, got 'lion'"):
+        Optimization(optimizer="lion")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="betas must be two numbers in"):
+        Optimization(betas=(0.9, 1.0))
+
+
+def test_norms_and_biases_can_go_without_weight_decay() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    params = dict(model.named_parameters())
+    ndims = {n: p.ndim for n, p in params.items()}
+    groups = make_optimizer(params, ndims, Optimization(decay_norms_and_biases=False, weight_decay=0.1)).param_groups
+    assert [(len(g["params"]), g["weight_decay"]) for g in groups] == [(1, 0.1), (3, 0.0)]  # weight | bias, norm
+    sgd = make_optimizer(params, ndims, Optimization(optimizer="sgd", momentum=0.9))
+    assert isinstance(sgd, torch.optim.SGD) and len(sgd.param_groups) == 1  # default: decay on every parameter
+    with pytest.raises(ValueError, match="not the model's"):
+        make_optimizer(params, {}, Optimization())
+
+
+def test_clipping_one_process_is_clip_grad_norm() -> None:
+    torch.manual_seed(0)
+    grads = {f"p{i}": torch.randn(5, 3) for i in range(4)}
+    copies = [g.clone() for g in grads.values()]
+    holders = [nn.Parameter(torch.zeros_like(g)) for g in copies]
+    for holder, copy in zip(holders, copies, strict=True):
+        holder.grad = copy
+    expected = torch.nn.utils.clip_grad_norm_(holders, 1.0, foreach=False)
+    norm = clip_global_norm(grads, list(grads), 1.0, exchange=False)
+    assert norm == float(expected)
+    assert all(torch.equal(g, h.grad) for g, h in zip(grads.values(), holders, strict=True))
+
+
+@pytest.mark.slow
+def test_global_norm_clipping_over_two_stages_equals_clip_grad_norm_bitwise() -> None:
+    """pp=2 (ZB-H1): each stage's norms are assembled into the model's vector on every rank; the losses, the
+    norms, the gradients and the weights after 3 steps (warm-up, cosine, no decay on norms) are bitwise the
+    single process's with ``clip_grad_norm_``."""
+    plan = _plan(2)
+    run = run_local(plan, RunOptions(steps=3, optimization=CLIPPING, keep_grads=True, keep_params=True))
+    ref = reference_run(plan.model, num_microbatches=M, steps=3, optimization=CLIPPING)
+    assert run.grad_norms == ref.grad_norms and all(n > CLIPPING.clip_grad_norm for n in ref.grad_norms)
+    assert run.losses == ref.losses
+    for expected, got in ((ref.grads, run.grads), (ref.params, run.params)):
+        assert sorted(expected) == sorted(got)
+        for name, value in expected.items():
+            assert torch.equal(value, got[name]), name
+    # the first half of the model's gradients alone (about one stage) has a smaller norm: a run that left a
+    # stage's norms out would clip by another coefficient and fail the comparisons above
+    names = list(ref.grads)
+    part = torch.stack([torch.linalg.vector_norm(ref.grads[n]) for n in names[: len(names) // 2]])
+    assert float(torch.linalg.vector_norm(part)) < ref.grad_norms[0]
+
+
+@pytest.mark.slow
+def test_global_norm_clipping_over_stages_and_replicas_equals_clip_grad_norm() -> None:
+    """pp=2 x dp=2 (FSDP shards): a parameter's norm is the root of its shards' squares, summed over the
+    replicas; equal to the single process up to the float32 order of those sums (as every dp run is). SGD with
+    momentum: its step is linear in the gradient, where AdamW's first step is about ``lr * sign(g)`` and turns
+    a last-bit difference of a near-zero gradient into a whole step."""
+    plan = _plan(2, dp=2)
+    sgd = dataclasses.replace(CLIPPING, optimizer="sgd", momentum=0.9)
+    options = RunOptions(steps=2, optimization=sgd, keep_params=True, timeout_s=180, pin_cores=False)
+    run = run_local(plan, options)
+    ref = reference_run(plan.model, num_microbatches=2 * M, steps=2, optimization=sgd)
+    assert run.grad_norms == pytest.approx(ref.grad_norms, rel=1e-6)
+    assert all(n > CLIPPING.clip_grad_norm for n in ref.grad_norms)
+    assert run.losses == pytest.approx(ref.losses, rel=1e-6)
+    for name, value in ref.params.items():
+        torch.testing.assert_close(run.params[name], value, msg=lambda m, n=name: f"{n}: {m}")  # type: ignore[misc]
+
+
+def test_clipping_with_expert_parallelism_is_refused_in_one_line() -> None:
+    reference = workload_reference("moe-ep-4", tiny=True, sequence=8, global_batch=2 * M)
+    names = build_model(reference).model.pipeline_layers()  # type: ignore[operator]
+    plan = one_f_one_b(1, M, layer_names=equal_partition(names, 1))
+    plan.model.CopyFrom(reference)
+    plan.mesh.dp, plan.mesh.ep = 2, 2
+    assert "gradient clipping with expert parallelism (ep=2) is not built yet" in optimization_problem(plan, CLIPPING)
+    assert optimization_problem(plan, Optimization()) == ""
