@@ -83,7 +83,7 @@ def test_clipping_one_process_is_clip_grad_norm() -> None:
     expected = torch.nn.utils.clip_grad_norm_(holders, 1.0, foreach=False)
     norm = clip_global_norm(grads, list(grads), 1.0, exchange=False)
     assert norm == float(expected)
-    assert all(torch.equal(g, h.grad) for g, h in zip(grads.values(), holders, strict=True))
+    assert all(h.grad is not None and torch.equal(g, h.grad) for g, h in zip(grads.values(), holders, strict=True))
 
 
 @pytest.mark.slow
