@@ -135,7 +135,14 @@ def _split_overhead(args: argparse.Namespace) -> dict[str, Any]:
         out = Path(folder) / "split.json"
         command = [sys.executable, str(ROOT / "bench/split_overhead.py"), "--device", args.device, "--dtype", dtype]
         command += ["--repeats", str(args.split_repeats), "--warmup", str(max(1, args.split_repeats // 5))]
-        command += ["--sequence", str(args.split_sequence), "--out", str(out)]
+        command += [
+            "--sequence",
+            str(args.split_sequence),
+            "--blocks",
+            *args.split_blocks.split(","),
+            "--out",
+            str(out),
+        ]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
         if done.returncode != 0:
             return {"command": " ".join(command[1:]), "error": done.stderr[-2000:]}
@@ -160,6 +167,7 @@ def main() -> int:
     parser.add_argument("--profile-repeats", type=int, default=10, help="timed runs per profiled graph (default 10)")
     parser.add_argument("--split-repeats", type=int, default=30, help="split-overhead repeats (default 30)")
     parser.add_argument("--split-sequence", type=int, default=128, help="split-overhead tokens (default 128)")
+    parser.add_argument("--split-blocks", default="llama,moe,mamba", help="split-overhead blocks (default all)")
     parser.add_argument("--tests-timeout", type=float, default=300.0, help="seconds for tests/gpu (default 300)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/gpu_check.json")
     args = parser.parse_args()

@@ -135,7 +135,8 @@ def library(workload: str, ranks: int, m: int) -> list[plan_pb2.Plan]:
 @pytest.mark.parametrize(
     ("workload", "ranks"),
     [
-        ("llama-8", 2),
+        # llama-8 on 2 ranks is run bitwise by test_one_program, test_precision and test_training by default
+        pytest.param("llama-8", 2, marks=pytest.mark.extended),
         ("moe-ep-4", 2),
         ("jamba-8", 2),
         # 4 ranks on 2 cores are slow (35-60 s each): with --all; the default run has 4-rank meshes
