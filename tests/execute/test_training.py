@@ -5,7 +5,9 @@ against the single-process eager reference that uses ``torch.nn.utils.clip_grad_
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +15,9 @@ from torch import nn
 
 from octopipe.execute.runs import RunOptions, optimization_problem
 from octopipe.execute.runtime import build_model, reference_run, run_local, workload_reference
+from octopipe.execute.runtime.data import BYTE_VOCAB, ByteCorpus, with_data
 from octopipe.execute.runtime.optim import clip_global_norm, make_optimizer
-from octopipe.execute.training import Optimization
+from octopipe.execute.training import DataSpec, Optimization
 from octopipe.ir import with_collectives
 from octopipe.plan.v1 import plan_pb2
 from octopipe.tune import equal_partition, one_f_one_b, zb_h1
@@ -133,3 +136,67 @@ def test_clipping_with_expert_parallelism_is_refused_in_one_line() -> None:
     plan.mesh.dp, plan.mesh.ep = 2, 2
     assert "gradient clipping with expert parallelism (ep=2) is not built yet" in optimization_problem(plan, CLIPPING)
     assert optimization_problem(plan, Optimization()) == ""
+
+
+def _text_files(folder: Path) -> list[str]:
+    files = []
+    for index in range(3):
+        path = folder / f"part{index}.txt"
+        lines = (hashlib.sha256(f"{index}.{k}".encode()).hexdigest() for k in range(24))  # no two rows alike
+        path.write_text("\n".join(lines) + "\n")
+        files.append(str(path))
+    return files
+
+
+def test_a_byte_corpus_visits_every_row_once_an_epoch_and_draws_each_step_from_its_seed(tmp_path: Path) -> None:
+    files = _text_files(tmp_path)
+    corpus = ByteCorpus(files, sequence=15, seed=3)
+    size = sum(Path(f).stat().st_size for f in files)
+    assert corpus.num_rows == size // 16 and corpus.rows.max() < BYTE_VOCAB  # packed, no padding
+    per_epoch = corpus.steps_per_epoch(4)
+    assert per_epoch == corpus.num_rows // 4
+    seen = torch.cat([torch.cat(corpus.batch(s, 4), dim=1) for s in range(per_epoch)])
+    inputs, targets = corpus.batch(0, 4)
+    assert inputs.shape == targets.shape == (4, 15) and torch.equal(inputs[:, 1:], targets[:, :-1])  # next token
+    assert len({tuple(row.tolist()) for row in seen}) == per_epoch * 4  # no row twice in an epoch
+    # a batch is a function of (files, seed, step): a resumed run draws what an uninterrupted one draws
+    again = ByteCorpus(files, sequence=15, seed=3)
+    assert all(
+        torch.equal(a, b)
+        for s in (0, 5, per_epoch + 1)
+        for a, b in zip(corpus.batch(s, 4), again.batch(s, 4), strict=True)
+    )
+    assert not torch.equal(corpus.batch(per_epoch, 4)[0], corpus.batch(0, 4)[0])  # each epoch its own order
+    assert not torch.equal(ByteCorpus(files, sequence=15, seed=4).batch(0, 4)[0], inputs)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        corpus.steps_per_epoch(corpus.num_rows + 1)
+    with pytest.raises(ValueError, match=r"missing\.txt: No such file"):
+        ByteCorpus([str(tmp_path / "missing.txt")], sequence=15)
+    stdlib = ByteCorpus(sequence=31, max_bytes=20_000)  # the default: the standard library's own source
+    assert stdlib.num_rows >= 20_000 // 32 and all(f.endswith(".py") for f in stdlib.files)
+
+
+def test_byte_data_needs_a_vocabulary_of_256() -> None:
+    built = build_model(workload_reference("llama-8", tiny=True, sequence=8, global_batch=M))  # vocab 64
+    with pytest.raises(ValueError, match=r"vocabulary of at least 256 token ids; the model's embedding has 64"):
+        with_data(built, DataSpec())
+
+
+@pytest.mark.slow
+def test_a_pipeline_trains_on_files_as_the_single_process_does_and_resumes_on_the_same_batches(
+    tmp_path: Path,
+) -> None:
+    reference = workload_reference("llama-8", tiny=True, sequence=15, global_batch=M, vocab=256)
+    names = build_model(reference).model.pipeline_layers()  # type: ignore[operator]
+    plan = zb_h1(2, M, layer_names=equal_partition(names, 2))
+    plan.model.CopyFrom(reference)
+    data = DataSpec(files=tuple(_text_files(tmp_path)), seed=1)
+    checkpoints = str(tmp_path / "checkpoints")
+    options = RunOptions(steps=3, data=data, keep_params=True, checkpoint_dir=checkpoints, checkpoint_every=2)
+    whole = run_local(plan, options)
+    ref = reference_run(reference, num_microbatches=M, steps=3, data=data)
+    assert whole.losses == ref.losses
+    assert all(torch.equal(value, whole.params[name]) for name, value in ref.params.items())
+    resumed = run_local(plan, dataclasses.replace(options, steps=1, start_step=2, resume=True, checkpoint_every=0))
+    assert resumed.losses == whole.losses[2:]  # the step after the checkpoint draws the same batch
+    assert all(torch.equal(value, resumed.params[name]) for name, value in whole.params.items())

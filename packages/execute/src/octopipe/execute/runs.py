@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from octopipe.execute.devices import RUN_DEVICES, rank_device
-from octopipe.execute.training import Optimization
+from octopipe.execute.training import DataSpec, Optimization
 from octopipe.ir import (
     PlanError,
     action_from_proto,
@@ -71,13 +71,15 @@ class RunOptions:
     its machine, ``octopipe.execute.devices``). ``deterministic``: torch's deterministic kernels on every
     rank (``transform.Device.make_deterministic``; on CUDA a run is then bitwise reproducible).
     ``optimization``: the optimizer, its schedule and gradient clipping (``training.Optimization``;
-    default AdamW at 1e-3).
+    default AdamW at 1e-3). ``data``: batches from text files (``training.DataSpec``) instead of the
+    model's own.
     """
 
     steps: int = 1
     seed: int = 0
     timeout_s: float = 60.0
     optimization: Optimization = field(default_factory=Optimization)
+    data: DataSpec | None = None
     pin_cores: bool = True
     cpus: Sequence[int] = ()
     strict_pinning: bool = False
@@ -130,6 +132,8 @@ class WorkerConfig:
     seed: int = 0
     timeout_s: float = 60.0
     optimization: Optimization = field(default_factory=Optimization)
+    #: batches from files instead of the model's own (``runtime.data``)
+    data: DataSpec | None = None
     pin_cores: bool = True
     #: the cores rank r chooses from (``cpus[r % len(cpus)]``); empty: the machine's online CPUs
     cpus: tuple[int, ...] = ()
@@ -188,6 +192,7 @@ class WorkerConfig:
             seed=options.seed,
             timeout_s=options.timeout_s,
             optimization=options.optimization,
+            data=options.data,
             pin_cores=options.pin_cores,
             cpus=tuple(options.cpus),
             keep_grads=options.keep_grads,

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["OPTIMIZERS", "SCHEDULES", "Optimization"]
+__all__ = ["OPTIMIZERS", "SCHEDULES", "DataSpec", "Optimization"]
 
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("constant", "linear", "cosine")
@@ -88,3 +88,20 @@ class Optimization:
         progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
         left = 1.0 - progress if self.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.learning_rate * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * left)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSpec:
+    """Where a run's batches come from instead of the model's own: text ``files`` read as bytes (token ids
+    0-255; none: the Python standard library's source, up to ``max_bytes``), packed into rows of the model's
+    sequence length + 1 and drawn per step from ``seed`` (``runtime.data.ByteCorpus``). The global batch
+    and sequence are the model's (``batch(0)``'s shape), so the plan's micro-batches are unchanged."""
+
+    files: tuple[str, ...] = ()
+    seed: int = 0
+    max_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "files", tuple(str(f) for f in self.files))
+        if self.max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {self.max_bytes}")

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from octopipe.execute.runtime.data import with_data
 from octopipe.execute.runtime.models import build_model, on_device
 from octopipe.execute.runtime.optim import make_optimizer, set_learning_rate
 from octopipe.execute.runtime.precision import GRAD_DTYPE, Weights, in_precision
-from octopipe.execute.training import Optimization
+from octopipe.execute.training import DataSpec, Optimization
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform.device import CPU, Device
 
@@ -41,6 +42,7 @@ def reference_run(
     steps: int = 1,
     seed: int = 0,
     optimization: Optimization | None = None,
+    data: DataSpec | None = None,
     device: Device = CPU,
     dtype: torch.dtype = torch.float32,
 ) -> ReferenceResult:
@@ -52,7 +54,7 @@ def reference_run(
     try:
         with device.current():
             chosen = optimization if optimization is not None else Optimization()
-            return _reference(model_reference, num_microbatches, steps, seed, chosen, device, dtype)
+            return _reference(model_reference, num_microbatches, steps, seed, chosen, data, device, dtype)
     finally:
         torch.set_num_threads(threads)
 
@@ -63,13 +65,15 @@ def _reference(
     steps: int,
     seed: int,
     optimization: Optimization,
+    data: DataSpec | None,
     device: Device,
     dtype: torch.dtype,
 ) -> ReferenceResult:
     """Per micro-batch gradients (eager autograd, in the compute dtype), summed in float32 in micro-batch
     order as every rank sums them; AdamW on the weights (float32: the parameters; bf16: float32 masters,
     rounded back after each step)."""
-    built = on_device(in_precision(build_model(model_reference, seed=seed), dtype), device)
+    built = build_model(model_reference, seed=seed)
+    built = on_device(in_precision(with_data(built, data) if data is not None else built, dtype), device)
     params = dict(built.model.named_parameters())
     weights = Weights(params)
     optimizer = make_optimizer(weights.optimized, {n: p.ndim for n, p in params.items()}, optimization)

@@ -32,6 +32,7 @@ from octopipe.execute.processes import die_with_parent
 from octopipe.execute.runs import ABORT_KEY, PLAN_KEY, ActionRecord, StepTimeline, WorkerConfig, same_layout
 from octopipe.execute.runtime.checkpoint import load_checkpoint, save_checkpoint
 from octopipe.execute.runtime.comm import Channels, channel_groups, program_channels
+from octopipe.execute.runtime.data import with_data
 from octopipe.execute.runtime.interpreter import RankRuntime
 from octopipe.execute.runtime.memory import MemoryMeasurement, resident_bytes
 from octopipe.execute.runtime.mesh import MeshRank
@@ -192,6 +193,8 @@ def _run_plan(
     # built from the seed on the CPU in float32, cast to the plan's compute dtype, then moved: every device
     # and precision starts from the same weights and data
     built = build_model(plan.model, seed=config.seed)
+    if config.data is not None:  # the same global batch from files, before each replica takes its slice
+        built = with_data(built, config.data)
     ndims = {name: p.ndim for name, p in built.model.named_parameters()}  # the model's order, before any shard
     built = on_device(in_precision(mesh.replica_model(built, m), plan_dtype(plan)), device)
     mine = sorted(s for s, r in placement.items() if r == prank)
