@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, NoReturn
 
-from octopipe.execute.cli import control, demo, plan, profile, run, simulate, trace, tune
+from octopipe.execute.cli import control, demo, plan, profile, run, simulate, trace, train, tune
 from octopipe.execute.cli.errors import (
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
@@ -55,7 +55,7 @@ __all__ = [
 
 #: every command module: ``register(sub, registry)`` adds its parser(s), each with ``handler=`` set.
 #: A new command is one module here.
-COMMANDS = (plan, profile, tune, simulate, run, trace, control, demo)
+COMMANDS = (plan, profile, tune, simulate, run, train, trace, control, demo)
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
@@ -70,6 +70,11 @@ class HelpWithDefaults(argparse.HelpFormatter):
             value = " ".join(map(str, default)) if isinstance(default, list | tuple) else "%(default)s"
             return f"{text} (default: {value})".strip()
         return action.help
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n  " in text:  # a laid-out block (``octopipe train``'s keys): kept line for line
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
     def _split_lines(self, text: str, width: int) -> list[str]:
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
