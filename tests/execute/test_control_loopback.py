@@ -8,7 +8,7 @@ import pytest
 
 from octopipe.execute.control import LocalCluster
 from octopipe.execute.control.local import result_from_metrics
-from octopipe.execute.runtime import RunOptions, run_local
+from octopipe.execute.runtime import reference_run
 from octopipe.node.v1 import node_pb2
 from tests.execute.control_cluster import llama_plan
 
@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 def test_two_daemons_run_a_plan_like_the_local_launcher(tmp_path: Path) -> None:
     plan = llama_plan()
-    expected = run_local(plan, RunOptions(steps=3, pin_cores=False)).losses
+    # the local launcher's losses are bitwise the single process's (test_runtime): the daemons' must be too
+    expected = reference_run(plan.model, num_microbatches=plan.num_microbatches, steps=3).losses
     with LocalCluster(tmp_path) as running, running.client() as client:
         running.add_node("node0")
         running.add_node("node1")

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from octopipe.execute.runs import RunFailed, RunOptions, precision_problem
+from octopipe.execute.runs import RunOptions, precision_problem
 from octopipe.execute.runtime import build_model, reference_run, run_local, workload_reference
 from octopipe.execute.runtime.pipeline import profile_reference
+from octopipe.execute.runtime.precision import in_precision
 from octopipe.ir import PlanError, plan_from_text, plan_to_text, validate_plan, with_collectives
 from octopipe.plan.v1 import plan_pb2
 from octopipe.tune import TuneConfig, equal_partition, one_f_one_b, tune, zb_v
-from tests.execute.test_whole_model_runtime import plans
 from tests.execute.test_whole_model_runtime import reference as hf_reference
 
 M = 4
@@ -107,7 +107,7 @@ def test_bf16_with_data_parallelism_reduces_gradients_in_float32_and_equals_the_
 
 
 def test_bf16_for_a_model_captured_as_written_is_refused_not_run_differently() -> None:
-    plan = plans(hf_reference("llama"), 2, [one_f_one_b])[0]
-    plan.precision.compute_dtype = "bfloat16"
-    with pytest.raises(RunFailed, match="not supported yet for a model captured as written"):
-        run_local(plan, RunOptions(steps=1, pin_cores=False))
+    built = build_model(hf_reference("llama"))  # what every rank builds; each casts it with in_precision
+    assert built.input_names is not None  # captured as written
+    with pytest.raises(ValueError, match="not supported yet for a model captured as written"):
+        in_precision(built, torch.bfloat16)

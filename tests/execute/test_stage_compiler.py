@@ -47,12 +47,12 @@ def _runtime_graphs(reference: plan_pb2.ModelReference, names: list[str], m: int
 @pytest.mark.parametrize(
     "reference",
     [
-        workload_reference("jamba-8", tiny=True, sequence=8, global_batch=4),
+        workload_reference("llama-8", tiny=True, sequence=8, global_batch=4),
         plan_pb2.ModelReference(
             name="llama", source="tests.execute.hf_sources:llama", config={"tied": "false", "layers": "2"}
         ),
     ],
-    ids=["layer-list jamba", "whole-model llama"],
+    ids=["layer-list llama", "whole-model llama"],
 )
 def test_the_profiler_times_the_graphs_the_runtime_runs(reference: plan_pb2.ModelReference) -> None:
     m = 2

@@ -1,8 +1,10 @@
-"""``octopipe run --torchrun`` under a real torchrun launch: a pp=2 x dp=2 mesh plan on 4 processes.
+"""``octopipe run --torchrun`` under a real torchrun launch: a pp=2 plan on 2 processes (by default) and a
+pp=2 x dp=2 mesh plan on 4 (with --all).
 
 torchrun starts the ranks (its agent holds the rendezvous store); each rank joins with
-``octopipe run PLAN --torchrun`` and writes its results. The losses must be bitwise those of the
-same plan run by ``run_local`` (the same program on the same number of processes).
+``octopipe run PLAN --torchrun`` and writes its results. The pipeline's losses must be bitwise the single
+process's; the mesh's bitwise those of the same plan run by ``run_local`` (the same program on the same
+number of processes).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from octopipe.execute.runtime import RunOptions, build_model, run_local, workload_reference
+from octopipe.execute.runtime import RunOptions, build_model, reference_run, run_local, workload_reference
 from octopipe.ir import mesh_spec, save_plan, with_collectives
 from octopipe.plan.v1 import plan_pb2
 from octopipe.tune import CollectivePlacement, equal_partition, one_f_one_b
@@ -44,6 +46,20 @@ def _torchrun(plan_file: Path, out: Path, processes: int) -> subprocess.Complete
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT, check=False)
 
 
+def test_torchrun_runs_a_pipeline_plan_bitwise_as_the_single_process(tmp_path: Path) -> None:
+    reference = workload_reference("llama-8", tiny=True, sequence=8, global_batch=4)
+    names = build_model(reference).model.pipeline_layers()  # type: ignore[operator]
+    plan = one_f_one_b(2, 2, layer_names=equal_partition(names, 2))
+    plan.model.CopyFrom(reference)
+    save_plan(plan, tmp_path / "plan.binpb")
+    done = _torchrun(tmp_path / "plan.binpb", tmp_path / "out", 2)
+    assert done.returncode == 0, done.stderr[-4000:]
+    last = torch.load(tmp_path / "out" / "rank1.pt", weights_only=True)[0]["losses"]
+    # bitwise the single process's, as the local launcher's are (test_runtime)
+    assert last == reference_run(reference, num_microbatches=2, steps=2).losses
+
+
+@pytest.mark.extended  # 4 processes twice (about 40 s): the mesh runtime runs by default under run_local
 def test_torchrun_runs_a_mesh_plan_as_run_local_does(tmp_path: Path) -> None:
     plan = _mesh_plan()
     mesh = mesh_spec(plan)

@@ -111,6 +111,21 @@ def test_global_norm_clipping_over_two_stages_equals_clip_grad_norm_bitwise() ->
 
 
 @pytest.mark.slow
+def test_global_norm_clipping_over_replicas_equals_clip_grad_norm() -> None:
+    """pp=1 x dp=2: each parameter's norm from its two FSDP shards (the default run's 2-process check; pp=2
+    x dp=2 below, with --all)."""
+    plan = _plan(1, dp=2)
+    sgd = dataclasses.replace(CLIPPING, optimizer="sgd", momentum=0.9)
+    run = run_local(plan, RunOptions(steps=2, optimization=sgd, keep_params=True, pin_cores=False))
+    ref = reference_run(plan.model, num_microbatches=2 * M, steps=2, optimization=sgd)
+    assert run.grad_norms == pytest.approx(ref.grad_norms, rel=1e-6)
+    assert all(n > CLIPPING.clip_grad_norm for n in ref.grad_norms)
+    for name, value in ref.params.items():
+        torch.testing.assert_close(run.params[name], value, msg=lambda m, n=name: f"{n}: {m}")  # type: ignore[misc]
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # 4 processes (20 s): CI's budget; pp=2 bitwise and pp=1 x dp=2 run by default
 def test_global_norm_clipping_over_stages_and_replicas_equals_clip_grad_norm() -> None:
     """pp=2 x dp=2 (FSDP shards): a parameter's norm is the root of its shards' squares, summed over the
     replicas; equal to the single process up to the float32 order of those sums (as every dp run is). SGD with
