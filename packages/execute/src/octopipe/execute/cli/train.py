@@ -34,7 +34,7 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from octopipe.execute.runs import RunOptions  # noqa: PLC0415 - torch loads only for commands that need it
-    from octopipe.execute.runtime import run_local, workload_reference  # noqa: PLC0415
+    from octopipe.execute.runtime import measured_step_times_us, run_local, workload_reference  # noqa: PLC0415
     from octopipe.execute.runtime.pipeline import baseline_plan  # noqa: PLC0415
     from octopipe.ir import load_plan  # noqa: PLC0415
 
@@ -73,11 +73,15 @@ def run(args: argparse.Namespace) -> int:
     with spinner(f"training {plan.name} for {steps} steps ({config.source}) ...", enabled=not args.json):
         result = run_local(plan, options)
     rates = [options.optimization.lr_at(s) for s in range(steps)]
+    step_us = measured_step_times_us(result)  # first rank's start to last rank's end, each step
+    tokens = model["global_batch"] * model["sequence"]
     args.out.mkdir(parents=True, exist_ok=True)
     metrics = args.out / "metrics.jsonl"
     with metrics.open("w") as out:
         for step, loss in enumerate(result.losses):
             row: dict[str, Any] = {"step": step, "loss": loss, "learning_rate": rates[step]}
+            row["step_ms"] = step_us[step] / 1e3
+            row["tokens_per_s"] = tokens / (step_us[step] / 1e6)
             if result.grad_norms:
                 row["grad_norm"] = result.grad_norms[step]
             out.write(json.dumps(row) + "\n")
