@@ -215,3 +215,19 @@ def test_a_pipeline_trains_on_files_as_the_single_process_does_and_resumes_on_th
     resumed = run_local(plan, dataclasses.replace(options, steps=1, start_step=2, resume=True, checkpoint_every=0))
     assert resumed.losses == whole.losses[2:]  # the step after the checkpoint draws the same batch
     assert all(torch.equal(value, resumed.params[name]) for name, value in whole.params.items())
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # a HF model on 2 ranks (about 20 s): CI's budget
+def test_clipping_counts_a_tied_weight_once_across_its_holders() -> None:
+    """A transformers llama with tied embeddings on 2 ranks: both holders have the summed gradient and only
+    the first use's holder adds its norm; the norms and losses are bitwise the single process's."""
+    from tests.execute.test_whole_model_runtime import plans
+    from tests.execute.test_whole_model_runtime import reference as hf_reference
+
+    plan = plans(hf_reference("llama", tied="true"), 2, [one_f_one_b])[0]
+    tight = Optimization(clip_grad_norm=0.05)
+    run = run_local(plan, RunOptions(steps=2, optimization=tight, pin_cores=False))
+    ref = reference_run(plan.model, num_microbatches=plan.num_microbatches, steps=2, optimization=tight)
+    assert run.grad_norms == ref.grad_norms and all(n > 0.05 for n in ref.grad_norms)
+    assert run.losses == ref.losses
