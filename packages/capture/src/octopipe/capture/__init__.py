@@ -11,7 +11,14 @@ from octopipe.capture.graph_split import GraphStage, TiedParameter, split_graph,
 from octopipe.capture.graphs import StageGraphs
 from octopipe.capture.hf import hf_causal_lm_spec, is_hf_causal_lm
 from octopipe.capture.model_graph import ModelGraph, discover_layers, trace_model
-from octopipe.capture.numerics import NumericsError, NumericsReport, StageForward, captured_forwards, check_numerics
+from octopipe.capture.numerics import (
+    NumericsError,
+    NumericsReport,
+    StageForward,
+    captured_forwards,
+    check_numerics,
+    compare_outputs,
+)
 from octopipe.capture.spec import pipeline_spec
 from octopipe.capture.stage import StageModule, split_model
 from octopipe.capture.trace import CaptureConfig, capture_stage, live_nodes, prune_dead_nodes
@@ -40,6 +47,7 @@ __all__ = [
     "capture_stage",
     "captured_forwards",
     "check_numerics",
+    "compare_outputs",
     "discover_layers",
     "hf_causal_lm_spec",
     "is_hf_causal_lm",

@@ -27,7 +27,14 @@ from octopipe.capture.graphs import StageGraphs
 from octopipe.capture.model_graph import ModelGraph
 from octopipe.capture.trace import capture_stage
 
-__all__ = ["NumericsError", "NumericsReport", "StageForward", "captured_forwards", "check_numerics"]
+__all__ = [
+    "NumericsError",
+    "NumericsReport",
+    "StageForward",
+    "captured_forwards",
+    "check_numerics",
+    "compare_outputs",
+]
 
 #: a stage's pipelined forward: its inputs (boundary values, then targets on the last stage) to its outputs
 StageForward = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
@@ -85,6 +92,33 @@ def _differs(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: fl
     return float((actual - expected).abs().max().item()) if actual.numel() else float("inf")
 
 
+def compare_outputs(
+    index: int,
+    stage: GraphStage,
+    got: Sequence[torch.Tensor],
+    expected: Sequence[torch.Tensor],
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+) -> float:
+    """The largest |diff| of stage ``index``'s pipelined outputs ``got`` from its own ops' ``expected``;
+    ``NumericsError``, naming the stage and output, when one is not equal (bitwise, or within the tolerance)."""
+    worst = 0.0
+    for name, actual, want in zip(stage.output_names, got, expected, strict=True):
+        diff = _differs(actual, want, atol, rtol)
+        if diff is not None:
+            raise NumericsError(
+                f"stage {index} (layers {stage.layer_names[0]} ... {stage.layer_names[-1]}) computes output "
+                f"{name!r} differently from the model's own ops on the same inputs (max |diff| {diff:.3g}"
+                f"{'' if atol == rtol == 0 else f', tolerance atol={atol} rtol={rtol}'}): octopipe refuses "
+                "to train it. Capture this stage again without the pass that changed it, or state a "
+                "tolerance; --skip-numerics-check skips this check"
+            )
+        if actual.is_floating_point() and actual.numel():
+            worst = max(worst, float((actual - want).abs().max().item()))
+    return worst
+
+
 def check_numerics(
     graph: ModelGraph,
     stages: Sequence[GraphStage],
@@ -126,20 +160,7 @@ def check_numerics(
             with torch.no_grad():
                 out = stage(*stage_inputs[s])
             expected = [out] if isinstance(out, torch.Tensor) else list(out)
-            worst = 0.0
-            for name, got, want in zip(stage.output_names, outputs[s], expected, strict=True):
-                diff = _differs(got, want, atol, rtol)
-                if diff is not None:
-                    raise NumericsError(
-                        f"stage {s} (layers {stage.layer_names[0]} ... {stage.layer_names[-1]}) computes output "
-                        f"{name!r} differently from the model's own ops on the same inputs (max |diff| {diff:.3g}"
-                        f"{'' if atol == rtol == 0 else f', tolerance atol={atol} rtol={rtol}'}): octopipe refuses "
-                        "to train it. Capture this stage again without the pass that changed it, or state a "
-                        "tolerance; --skip-numerics-check skips this check"
-                    )
-                if got.is_floating_point() and got.numel():
-                    worst = max(worst, float((got - want).abs().max().item()))
-            diffs.append(worst)
+            diffs.append(compare_outputs(s, stage, outputs[s], expected, atol=atol, rtol=rtol))
         torch.manual_seed(seed)
         with torch.no_grad():
             reference = graph.eager_loss(inputs)

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["OPTIMIZERS", "SCHEDULES", "DataSpec", "Optimization"]
+__all__ = ["OPTIMIZERS", "SCHEDULES", "DataSpec", "Optimization", "WeightsSpec"]
 
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("constant", "linear", "cosine")
@@ -105,3 +105,24 @@ class DataSpec:
         object.__setattr__(self, "files", tuple(str(f) for f in self.files))
         if self.max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {self.max_bytes}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightsSpec:
+    """Where a run's initial weights come from, and where its trained weights go.
+
+    ``load``: a folder of safetensors in HuggingFace's layout (``model.safetensors``, or shards named by
+    ``model.safetensors.index.json``) or one of octopipe's checkpoints (a ``step-<n>`` folder). The ranks
+    then build the model with its parameters on the meta device and each reads only its own stages'
+    tensors (``runtime.pretrained``); a parameter the files lack is refused, not left at random.
+    ``export``: a folder the trained weights are written to in the same HF layout (a shard per rank and
+    an index; the source folder's ``config.json`` and tokenizer files copied), so ``transformers``'
+    ``from_pretrained`` reads them back.
+    """
+
+    load: str = ""
+    export: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.load, str) or not isinstance(self.export, str):
+            raise ValueError(f"load and export are folder paths, got {self.load!r} and {self.export!r}")

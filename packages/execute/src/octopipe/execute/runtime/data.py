@@ -106,8 +106,9 @@ def with_data(built: BuiltModel, spec: DataSpec) -> BuiltModel:
     """``built`` drawing its batches from ``spec``'s corpus: the same global batch and sequence as the
     model's own batches (so the plan's micro-batches are unchanged), byte tokens instead. A model whose
     vocabulary is under 256 ids is refused; so is one whose batches are not token ids (``batch(0)``'s
-    inputs must be a 2-D integer tensor)."""
-    inputs, _ = built.batch(0)
+    inputs must be a 2-D integer tensor). Targets follow the model's own batches: the next tokens, or the
+    inputs themselves where the model's own targets are its inputs (a transformers causal LM's ``labels``)."""
+    inputs, own_targets = built.batch(0)
     if inputs.dim() != 2 or inputs.dtype.is_floating_point:
         raise ValueError(f"data files give token ids; this model's inputs are {tuple(inputs.shape)} {inputs.dtype}")
     global_batch, sequence = int(inputs.shape[0]), int(inputs.shape[1])
@@ -115,8 +116,14 @@ def with_data(built: BuiltModel, spec: DataSpec) -> BuiltModel:
     corpus.check_vocabulary(built.model)
     corpus.steps_per_epoch(global_batch)  # at least one batch: refused here, not at the first step
 
+    # the model's own convention: targets that are the inputs (transformers' causal LMs shift labels
+    # themselves) or the next tokens
+    labels_are_inputs = torch.equal(inputs, own_targets)
+
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, targets = corpus.batch(step, global_batch)
+        if labels_are_inputs:
+            targets = tokens.clone()
         return tokens.to(inputs.device), targets.to(inputs.device)
 
     return dataclasses.replace(built, batch=batch)

@@ -40,6 +40,7 @@ from octopipe.execute.runs import (
     WorkerConfig,
     optimization_problem,
     precision_problem,
+    weights_problem,
 )
 from octopipe.execute.runtime.pinning import shared_cores
 from octopipe.execute.runtime.worker import worker_main
@@ -80,6 +81,9 @@ def run_local_many(plans: Sequence[plan_pb2.Plan], options: RunOptions | None = 
         )
     problem = next(filter(None, map(precision_problem, plans)), "")
     problem = problem or next((p for plan in plans if (p := optimization_problem(plan, options.optimization))), "")
+    problem = problem or next((p for plan in plans if (p := weights_problem(plan, options.weights))), "")
+    if options.weights is not None and options.weights.export and len(plans) > 1:
+        problem = problem or "export the weights of one plan at a time: run_local_many ran several"
     problem = problem or gpu_problem(options.device, world, len(visible_gpus()))  # before any rank starts
     if problem:
         raise ValueError(problem)
@@ -144,6 +148,8 @@ def run_local_many(plans: Sequence[plan_pb2.Plan], options: RunOptions | None = 
             if entry.get("tied_grads") or entry.get("tied_params"):
                 result.tied_grads[int(entry["rank"])] = dict(entry["tied_grads"])
                 result.tied_params[int(entry["rank"])] = dict(entry["tied_params"])
+            if entry.get("param_bytes") is not None:
+                result.param_bytes[int(entry["rank"])] = int(entry["param_bytes"])
             if entry.get("memory") is not None:
                 result.memory[int(entry["rank"])] = dict(entry["memory"])
         merged.append(result)

@@ -55,8 +55,15 @@ class BuiltModel:
 
 def on_device(built: BuiltModel, device: Device) -> BuiltModel:
     """``built`` with its model moved to ``device`` (in place: built from the seed on the CPU first, so every
-    device starts from the same weights) and its batches made there (on the CPU: the same tensors)."""
-    device.put(built.model)
+    device starts from the same weights) and its batches made there (on the CPU: the same tensors). Meta
+    parameters (a model loaded stage by stage) stay meta: ``runtime.pretrained.materialize`` places them."""
+    if any(p.is_meta for p in built.model.parameters()):  # loaded stage by stage later: the buffers move now
+        for module in built.model.modules():
+            for key, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[key] = device.put(buffer)
+    else:
+        device.put(built.model)
     full = built.batch
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,8 @@ from octopipe.execute.runtime.data import with_data
 from octopipe.execute.runtime.models import build_model, on_device
 from octopipe.execute.runtime.optim import make_optimizer, set_learning_rate
 from octopipe.execute.runtime.precision import GRAD_DTYPE, Weights, in_precision
-from octopipe.execute.training import DataSpec, Optimization
+from octopipe.execute.runtime.pretrained import WeightSource, materialize, params_on_meta
+from octopipe.execute.training import DataSpec, Optimization, WeightsSpec
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform.device import CPU, Device
 
@@ -43,10 +44,12 @@ def reference_run(
     seed: int = 0,
     optimization: Optimization | None = None,
     data: DataSpec | None = None,
+    weights: WeightsSpec | None = None,
     device: Device = CPU,
     dtype: torch.dtype = torch.float32,
 ) -> ReferenceResult:
-    """``dtype``: the plan's compute dtype (``precision.plan_dtype``); bf16 runs the mixed-precision policy of
+    """``weights.load``: the initial weights are read from that folder (every parameter, in this process).
+    ``dtype``: the plan's compute dtype (``precision.plan_dtype``); bf16 runs the mixed-precision policy of
     ``runtime.precision`` and returns the float32 masters as ``params``; ``grads`` are the first step's
     gradients, summed over micro-batches in float32."""
     threads = torch.get_num_threads()
@@ -54,7 +57,8 @@ def reference_run(
     try:
         with device.current():
             chosen = optimization if optimization is not None else Optimization()
-            return _reference(model_reference, num_microbatches, steps, seed, chosen, data, device, dtype)
+            load = weights.load if weights is not None else ""
+            return _reference(model_reference, num_microbatches, steps, seed, chosen, data, load, device, dtype)
     finally:
         torch.set_num_threads(threads)
 
@@ -66,13 +70,19 @@ def _reference(
     seed: int,
     optimization: Optimization,
     data: DataSpec | None,
+    load: str,
     device: Device,
     dtype: torch.dtype,
 ) -> ReferenceResult:
     """Per micro-batch gradients (eager autograd, in the compute dtype), summed in float32 in micro-batch
     order as every rank sums them; AdamW on the weights (float32: the parameters; bf16: float32 masters,
     rounded back after each step)."""
-    built = build_model(model_reference, seed=seed)
+    if load:  # parameters on the meta device, then every one read from the folder
+        with params_on_meta():
+            built = build_model(model_reference, seed=seed)
+        materialize(built.model, [], [n for n, _ in built.model.named_parameters()], WeightSource(load), CPU)
+    else:
+        built = build_model(model_reference, seed=seed)
     built = on_device(in_precision(with_data(built, data) if data is not None else built, dtype), device)
     params = dict(built.model.named_parameters())
     weights = Weights(params)

@@ -3,13 +3,18 @@
 The worker calls :func:`rank_stages` once per plan. Layer-list models are
 split at the plan's layer boundaries (``capture.split_model``); a model
 captured as written is traced whole and cut there (``whole_model_stages``).
+A model whose parameters are on the meta device (loaded stage by stage, ``runtime.pretrained``) is
+captured and split with storage-free placeholders in their place (zeros expanded from one element: the
+graphs record ops on the rank's device, never the meta device); then ``materialize`` gives this rank's
+stages their tensors, and they are compiled on zeros shaped like their inputs (capture depends on
+shapes, not values).
 Every stage goes through the run's :class:`~octopipe.transform.StageCompiler`
 (the profiler's too), sharded stages through the mesh.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +24,7 @@ from octopipe.capture import StageModule, split_model
 from octopipe.execute.runtime.interpreter import ShardedStage
 from octopipe.execute.runtime.mesh import MeshRank
 from octopipe.execute.runtime.models import BuiltModel
+from octopipe.execute.runtime.pretrained import placeholders
 from octopipe.execute.runtime.whole_model import (
     Boundaries,
     WholeModelStages,
@@ -62,16 +68,30 @@ class RankStages:
     first: tuple[torch.Tensor, torch.Tensor]
 
 
+#: gives this rank's stages (``mine``) of the split model their parameters (``runtime.pretrained.materialize``)
+Materialize = Callable[[Sequence[nn.Module], Sequence[int]], None]
+
+
 def rank_stages(
-    plan: plan_pb2.Plan, built: BuiltModel, mine: Sequence[int], mesh: MeshRank, compiler: StageCompiler
+    plan: plan_pb2.Plan,
+    built: BuiltModel,
+    mine: Sequence[int],
+    mesh: MeshRank,
+    compiler: StageCompiler,
+    materialize: Materialize | None = None,
 ) -> RankStages:
     """Split ``built``'s model at ``plan``'s layer boundaries and compile the stages in ``mine`` with ``compiler``.
 
     One eager forward of the first micro-batch gives capture its shapes. A mesh with dp > 1 shards the
-    stages first (a collective over the dp group)."""
+    stages first (a collective over the dp group). A model with meta parameters needs ``materialize``."""
     m = plan.num_microbatches
     partition = [list(s.layer_names) for s in plan.stages]
     first = split_batch(*built.batch(0), m)[0]
+    on_meta = any(p.is_meta for p in built.model.parameters())
+    if on_meta and materialize is None:
+        raise ValueError("the model's parameters are on the meta device: give rank_stages a materialize")
+    if on_meta:
+        placeholders(built.model, first[0].device)
     whole = None
     model_key = b""  # layer-list stages: keyed by their layers and shapes
     stages: list[StageModule]
@@ -91,6 +111,8 @@ def rank_stages(
                 activations.append(stage(activations[-1]))
         inputs = {s: [activations[s], first[1]] if s == len(stages) - 1 else [activations[s]] for s in mine}
         boundaries = layer_boundaries(stages, activations)
+    if materialize is not None and on_meta:
+        materialize(stages, mine)
     executables: dict[int, StageExecutable | ShardedStage]
     if mesh.sharded:
         executables = dict(mesh.compile(stages, inputs, compiler))

@@ -10,6 +10,10 @@ the runtime does (the captured graphs), the other stages as written, and
 ``check_numerics`` refuses to train, naming the stage, if an output or the
 loss differs from the model's own ops.
 
+``guard_stages`` is the same check for a model loaded stage by stage (no rank holds every weight): each
+rank compares its stages with their own ops on the boundary values the previous stages' holders computed
+and passed on; the whole-model loss comparison, which needs every weight in one process, is not made.
+
 ``reduce_tied`` sums a tied parameter's gradients (tied input/output
 embeddings) across the stages that hold a copy, before the optimizer step,
 so every copy gets the same gradient and stays bitwise equal after the
@@ -23,6 +27,7 @@ the same tensors in the same order.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -37,6 +42,7 @@ from octopipe.capture import (
     StageModule,
     TiedParameter,
     check_numerics,
+    compare_outputs,
     split_graph,
     tied_parameters,
     trace_model,
@@ -53,6 +59,7 @@ __all__ = [
     "buffer_specs",
     "graph_boundaries",
     "guard",
+    "guard_stages",
     "layer_boundaries",
     "reduce_tied",
     "tied_indices",
@@ -155,6 +162,49 @@ def guard(
     # no log here: a rank's stdout is the launching command's (``octopipe run --json``); the figures go back
     # in the rank's result (``RunResult.numerics``) and the launching process reports them
     return check_numerics(whole.graph, whole.stages, model_inputs(names, *microbatch), forwards=forwards)
+
+
+def guard_stages(
+    whole: WholeModelStages,
+    mine: Mapping[int, StageExecutable],
+    microbatch: tuple[torch.Tensor, torch.Tensor],
+    names: tuple[str, str],
+    boundaries: Boundaries,
+    process_of_stage: Callable[[int], int],
+) -> dict[str, float]:
+    """The guard for a model loaded stage by stage (a collective: every rank, stage by stage): the holder of
+    stage s runs it as the runtime does and as written on the same inputs and random state, refuses
+    (``NumericsError``) if they differ, and broadcasts the stage's outputs to every rank for the next one.
+    Returns the figures; ``whole_model_checked`` is 0: the pipelined loss is not compared with the model's
+    own whole forward, which needs every weight in one process."""
+    start = time.perf_counter()
+    inputs = model_inputs(names, *microbatch)
+    values = [inputs[n] for n in whole.stages[0].boundary_names]
+    targets = [inputs[n] for n in whole.graph.target_names]
+    figures = {"whole_model_checked": 0.0}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for s, stage in enumerate(whole.stages):
+            values = values + targets if stage.is_last else values
+            if s in mine:
+                state = torch.get_rng_state()
+                got = mine[s].forward_all(values)[0]
+                torch.set_rng_state(state)
+                with torch.no_grad():
+                    out = stage(*values)
+                values = [out] if isinstance(out, torch.Tensor) else list(out)
+                figures[f"stage{s}_max_abs_diff"] = compare_outputs(s, stage, got, values)
+                if stage.is_last:
+                    figures["pipelined_loss"] = float(got[0].item())
+                values = [v.contiguous() for v in values]
+            elif not stage.is_last:
+                device = microbatch[0].device
+                values = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in boundaries.outputs[s]]
+            if not stage.is_last:
+                for value in values:
+                    dist.broadcast(value, src=process_of_stage(s))
+    figures["seconds"] = time.perf_counter() - start
+    return figures
 
 
 def reduce_tied(

@@ -15,10 +15,12 @@ every other rank watches while it waits, so all ranks stop together.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
 import traceback
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
@@ -40,8 +42,17 @@ from octopipe.execute.runtime.models import BuiltModel, build_model, on_device
 from octopipe.execute.runtime.optim import clip_global_norm, make_optimizer, set_learning_rate
 from octopipe.execute.runtime.pinning import pin_rank
 from octopipe.execute.runtime.precision import Weights, in_precision, plan_dtype
+from octopipe.execute.runtime.pretrained import (
+    WeightSource,
+    export_shard,
+    finish_export,
+    materialize,
+    params_on_meta,
+    resident_param_bytes,
+    stage_parameter_names,
+)
 from octopipe.execute.runtime.stages import rank_stages, split_batch
-from octopipe.execute.runtime.whole_model import buffer_specs, guard, reduce_tied, tied_indices
+from octopipe.execute.runtime.whole_model import buffer_specs, guard, guard_stages, reduce_tied, tied_indices
 from octopipe.ir import Program, compile_plan, stage_ranks
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform import Device, StageCompiler, StageExecutable
@@ -191,14 +202,25 @@ def _run_plan(
     prank = mesh.pipeline_rank  # the pipeline rank whose program this process runs (= rank without a mesh)
     placement = stage_ranks(plan)
     # built from the seed on the CPU in float32, cast to the plan's compute dtype, then moved: every device
-    # and precision starts from the same weights and data
-    built = build_model(plan.model, seed=config.seed)
+    # and precision starts from the same weights and data. Loaded weights: built with meta parameters, each
+    # rank then reads its own stages' tensors (runtime.pretrained)
+    source = WeightSource(config.weights.load) if config.weights is not None and config.weights.load else None
+    with params_on_meta() if source is not None else contextlib.nullcontext():
+        built = build_model(plan.model, seed=config.seed)
     if config.data is not None:  # the same global batch from files, before each replica takes its slice
         built = with_data(built, config.data)
     ndims = {name: p.ndim for name, p in built.model.named_parameters()}  # the model's order, before any shard
     built = on_device(in_precision(mesh.replica_model(built, m), plan_dtype(plan)), device)
     mine = sorted(s for s, r in placement.items() if r == prank)
-    compiled = rank_stages(plan, built, mine, mesh, compiler)  # every stage module; this rank's compiled
+    model = built.model
+
+    def load_mine(stages: Sequence[torch.nn.Module], mine: Sequence[int]) -> None:
+        assert source is not None
+        materialize(model, stages, stage_parameter_names(model, stages, mine), source, device)
+
+    # every stage module; this rank's compiled
+    compiled = rank_stages(plan, built, mine, mesh, compiler, materialize=load_mine if source is not None else None)
+    param_bytes = resident_param_bytes(model)
     stages, executables, boundaries = compiled.modules, compiled.executables, compiled.boundaries
     whole, first = compiled.whole, compiled.first
 
@@ -254,9 +276,12 @@ def _run_plan(
     numerics = None
     if whole is not None and config.numerics_check:  # refuse to train a pipeline that computes something else
         assert built.input_names is not None
-        report = guard(whole, plain, first, built.input_names)
-        numerics = {"reference_loss": report.reference_loss, "pipelined_loss": report.pipelined_loss}
-        numerics["seconds"] = report.seconds
+        if source is not None:  # no rank holds every weight: stage by stage, outputs passed on
+            numerics = guard_stages(whole, plain, first, built.input_names, boundaries, holder)
+        else:
+            report = guard(whole, plain, first, built.input_names)
+            numerics = {"reference_loss": report.reference_loss, "pipelined_loss": report.pipelined_loss}
+            numerics["seconds"] = report.seconds
     optimization = config.optimization
     optimizer = make_optimizer(weights.optimized, ndims, optimization)
     # a tied parameter's norm is counted by the holder of its first use (every holder has the summed gradient)
@@ -330,10 +355,23 @@ def _run_plan(
         timelines.append(timeline)
         if events is not None:
             events.put(timeline)
+    if config.weights is not None and config.weights.export:  # this rank's shard; rank 0 then the index
+        first_names = {id(p): n for n, p in model.named_parameters()}  # a tied parameter's other names
+        aliases: dict[str, list[str]] = {}
+        for alias, param in model.named_parameters(remove_duplicate=False):
+            if alias != first_names[id(param)]:
+                aliases.setdefault(first_names[id(param)], []).append(alias)
+        kept = {n: p for n, p in weights.optimized.items() if n in counted}
+        known = source.names if source is not None else []
+        export_shard(config.weights.export, kept, aliases, rank, config.world_size, known)
+        dist.barrier()
+        if rank == 0:
+            finish_export(config.weights.export, config.world_size, source)
     memory = _measure_memory(config, built, runtime, stages, mine, optimizer, device) if config.measure_memory else None
     runtime.channels.close()
     return {
         "memory": memory,
+        "param_bytes": param_bytes,
         "plan": plan_index,
         "rank": rank,
         "numerics": numerics,
