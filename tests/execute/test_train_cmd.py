@@ -4,19 +4,23 @@ embedded default that shows the loss falling."""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import pytest
+import torch
 
 from octopipe.execute.cli import EXIT_USAGE, main
 from octopipe.execute.runtime import reference_run, workload_reference
+from octopipe.execute.runtime.job import prepare_job
 from octopipe.execute.train_config import load_train_config
 
 
 @pytest.mark.parametrize(
     ("text", "says"),
     [
-        ("[modle]\nworkload = 'llama-8'\n", "[modle] is not a section: use [model], [data]"),
+        ("[modle]\nworkload = 'llama-8'\n", "[modle] is not a section: use [model], [weights]"),
+        ("[model]\noptions = [1]\n", "[model] options must be a table of plain values"),
         ("[model]\nlayers = 4\n", "[model] layers is not a key: use one of workload, tiny"),
         ("[run]\nsteps = 'many'\n", "[run] steps must be int, got str 'many'"),
         ("[run]\nsteps = true\n", "[run] steps must be int, got bool True"),
@@ -74,6 +78,71 @@ def test_a_config_trains_as_the_python_api_does(tmp_path: Path, capsys: pytest.C
     assert [r["grad_norm"] for r in rows] == ref.grad_norms  # clipped at the default 1.0 on every stage
     # warm-up over step 0, then linear from the peak (step 1) towards 10% of it (the default floor) at step 3
     assert [r["learning_rate"] for r in rows] == pytest.approx([0.05, 0.05, 0.05 * (0.1 + 0.9 * 0.5)])
+    for row in rows:  # the figures a user watches, per step and per rank
+        assert 0 < row["mfu"] < 1 and 0 <= row["bubble"] < 1
+        assert set(row["peak_rss_mib"]) == {"0", "1"} and all(v > 0 for v in row["peak_rss_mib"].values())
+        assert all(v > 0 for v in row["peak_held_mib"].values())
+    scalars = _tensorboard_scalars(out / "tensorboard")
+    assert scalars["loss"] == [(r["step"], struct.unpack("f", struct.pack("f", r["loss"]))[0]) for r in rows]
+    assert {"mfu", "tokens_per_s", "peak_rss_mib/rank1", "bubble"} <= set(scalars)
+
+
+def _tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of a TensorBoard event file, read record by record (length, crc, event, crc)."""
+    from tensorboardX.proto import event_pb2
+
+    (path,) = folder.glob("events.out.tfevents.*")
+    data, at, out = path.read_bytes(), 0, {}
+    while at < len(data):
+        (length,) = struct.unpack("<Q", data[at : at + 8])
+        event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+        at += 12 + length + 4
+        for value in event.summary.value:
+            out.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # the CLI's route to what test_pretrained's round trip checks by default (CI's budget)
+def test_an_hf_folder_trains_from_its_weights_and_exports_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``[model] hf`` names a transformers folder: its weights are loaded stage by stage (the default), the
+    model's own random-token batches ([data] enabled = false), the export reloads with from_pretrained."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(3)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "in")
+    toml = tmp_path / "train.toml"
+    toml.write_text(
+        f"[model]\nhf = '{tmp_path / 'in'}'\nsequence = 8\nglobal_batch = 4\n[data]\nenabled = false\n"
+        f"[weights]\nexport = '{tmp_path / 'out'}'\n[plan]\nschedule = '1f1b'\nmicrobatches = 2\n"
+        "[metrics]\ntensorboard = false\n[schedule]\nwarmup_steps = 0\nkind = 'constant'\n"
+    )
+    assert main(["train", str(toml), "--steps", "2", "--out", str(tmp_path / "m"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["tensorboard"] is None and summary["steps"] == 2
+    loaded = load_train_config(toml)
+    reference = prepare_job(loaded, 2)
+    ref = reference_run(
+        reference.plan.model,
+        num_microbatches=2,
+        steps=2,
+        optimization=loaded.optimization(2),
+        weights=reference.options.weights,
+    )
+    rows = [json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows] == ref.losses
+    back = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "out").named_parameters())
+    assert all(torch.equal(back[name], value) for name, value in ref.params.items())
 
 
 @pytest.mark.slow

@@ -86,3 +86,15 @@ def test_input_gradient_keeps_new_tensors_for_the_weight_gradient(profile: profi
         assert freed == cost.activation_saved_bytes + kept  # W frees what I kept of F's and what I made
     mlp = next(c for c in profile.layers if c.layer_type == "relu2")
     assert mlp.backward_input_kept_bytes >= 2 * 32 * 64 * 4  # at least one hidden-sized output gradient
+
+
+def test_graph_flops_counts_each_matmul_of_forward_and_backward() -> None:
+    """A bias-free linear stage on a 4 x 16 batch to 8 features: one 2mkn matmul forward (1024 FLOPs), two
+    backward (input and weight gradients, 1024 each); what MFU counts in ``octopipe train``."""
+    from octopipe.capture import capture_stage
+    from octopipe.transform import graph_flops
+
+    stage = torch.nn.Linear(16, 8, bias=False)
+    graphs = capture_stage(stage, [torch.randn(4, 16, requires_grad=True)], stage_index=0)
+    assert graph_flops(graphs.forward) == 2 * 4 * 16 * 8
+    assert graph_flops(graphs.backward) == 2 * (2 * 4 * 16 * 8)

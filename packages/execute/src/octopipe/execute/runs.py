@@ -360,6 +360,9 @@ class RunResult:
     #: rank -> bytes of the parameters it holds after materializing its stages (all of the model's unless
     #: the weights were loaded stage by stage)
     param_bytes: dict[int, int] = field(default_factory=dict)
+    #: rank -> matmul and attention FLOPs of one step of its stages, from the captured graphs (not for
+    #: sharded stages)
+    flops_per_step: dict[int, float] = field(default_factory=dict)
     wall_s: float = 0.0
 
 

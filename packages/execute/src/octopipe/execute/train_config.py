@@ -22,11 +22,29 @@ KEYS: dict[str, dict[str, tuple[type, Any, str]]] = {
     "model": {
         "workload": (str, "nemotronh-16", "a zoo workload: llama-8, jamba-8, nemotronh-16 or moe-ep-4"),
         "tiny": (bool, True, "the zoo's unit-test sizes (hidden 32) instead of the standard ones"),
-        "vocab": (int, 256, "token ids (byte-level data needs at least 256)"),
-        "sequence": (int, 64, "tokens per sequence"),
-        "global_batch": (int, 8, "sequences per step, over all micro-batches and replicas"),
+        "vocab": (int, 256, "the zoo model's token ids (byte-level data needs at least 256)"),
+        "hf": (
+            str,
+            "",
+            "a transformers causal-LM folder (config.json + safetensors; or a hub id in the local cache) "
+            "instead of the zoo: its weights are loaded stage by stage",
+        ),
+        "source": (str, "", "package.module:function returning (model, batch_fn(step)) instead of the zoo"),
+        "options": (dict, {}, "keyword arguments for source, as strings"),
+        "sequence": (int, 64, "tokens per sequence (zoo and hf)"),
+        "global_batch": (int, 8, "sequences per step, over all micro-batches and replicas (zoo and hf)"),
+    },
+    "weights": {
+        "load": (
+            str,
+            "",
+            "initial weights: an HF safetensors folder or an octopipe step-<n> checkpoint; default: "
+            "[model] hf's folder, else random from [run] seed",
+        ),
+        "export": (str, "", "write the trained weights here as HF-layout safetensors (+ the source's config)"),
     },
     "data": {
+        "enabled": (bool, True, "false: the model's own batches (random token ids for hf) instead of files"),
         "files": (list, [], "text files read as bytes; empty: the Python standard library's own source"),
         "seed": (int, 0, "the order rows are drawn in (each epoch its own)"),
         "max_bytes": (int, 1 << 20, "how much of the standard library to read when no files are given"),
@@ -51,6 +69,10 @@ KEYS: dict[str, dict[str, tuple[type, Any, str]]] = {
         "schedule": (str, "zb-h1", "the schedule to make, on equal layer counts: 1f1b or zb-h1"),
         "ranks": (int, 2, "pipeline ranks (local CPU processes)"),
         "microbatches": (int, 4, "micro-batches per step"),
+    },
+    "metrics": {
+        "tensorboard": (bool, True, "also write TensorBoard event files (needs tensorboardX)"),
+        "peak_gflops": (float, 0.0, "one rank's peak GFLOP/s for MFU; 0: measure one core's fp32 matmul rate"),
     },
     "run": {
         "steps": (int, 200, "optimizer steps"),
@@ -121,6 +143,10 @@ def _checked(section: str, key: str, value: object) -> object:
     if kind is list:
         if not isinstance(value, list):
             raise ValueError(f"{where} must be a list, got {type(value).__name__} {value!r}")
+        return value
+    if kind is dict:
+        if not isinstance(value, dict) or not all(isinstance(v, str | int | float | bool) for v in value.values()):
+            raise ValueError(f"{where} must be a table of plain values, got {value!r}")
         return value
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ValueError(f"{where} must be {kind.__name__}, got {type(value).__name__} {value!r}")

@@ -32,6 +32,7 @@ __all__ = [
     "CostModel",
     "Roofline",
     "comm_bytes",
+    "graph_flops",
     "measure_compute_us",
     "profile_costs",
     "roofline_costs",
@@ -93,6 +94,12 @@ def _flops(node: fx.Node) -> float | None:
         batch, heads, seq, dim = shapes[0]
         return 4.0 * batch * heads * seq * seq * dim * (2.5 if "backward" in name else 1.0)
     return None
+
+
+def graph_flops(graph: fx.GraphModule) -> float:
+    """The floating-point operations of a graph's matrix multiplies and attention (``2mkn`` per matmul;
+    elementwise work is not counted, as MFU conventionally counts it), from its nodes' shapes."""
+    return sum(f for node in graph.graph.nodes if node.op == "call_function" and (f := _flops(node)) is not None)
 
 
 def _free(node: fx.Node) -> bool:

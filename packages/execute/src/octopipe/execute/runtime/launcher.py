@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
+import queue
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,22 +50,28 @@ from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import verify_plan
 from octopipe.transform import visible_gpus
 
-__all__ = ["run_local", "run_local_many"]
+__all__ = ["OnStep", "run_local", "run_local_many"]
+
+#: called with each rank's completed step, in the launching process
+OnStep = Callable[[StepTimeline], None]
 
 
-def run_local(plan: plan_pb2.Plan, options: RunOptions | None = None) -> RunResult:
+def run_local(plan: plan_pb2.Plan, options: RunOptions | None = None, on_step: OnStep | None = None) -> RunResult:
     """Run ``plan`` on local ranks (CPU and gloo, or ``options.device`` cuda: rank r on GPU r) on 127.0.0.1 as
     ``options`` say; see ``run_local_many``. Results come back as CPU tensors."""
-    return run_local_many([plan], options)[0]
+    return run_local_many([plan], options, on_step=on_step)[0]
 
 
-def run_local_many(plans: Sequence[plan_pb2.Plan], options: RunOptions | None = None) -> list[RunResult]:
+def run_local_many(
+    plans: Sequence[plan_pb2.Plan], options: RunOptions | None = None, on_step: OnStep | None = None
+) -> list[RunResult]:
     """Run each plan for ``options.steps`` optimizer steps, one after the other, in one launch of local CPU ranks.
 
     The plans must have the same number of ranks (and normally the same model);
     each starts from the same freshly built weights. One launch saves the
     process start-up and reuses compiled stages between plans. ``RunOptions``
-    documents every option (pinning, checkpoints, the numerics guard, memory).
+    documents every option (pinning, checkpoints, the numerics guard, memory). ``on_step`` is called in
+    this process with each rank's ``StepTimeline`` as the rank completes a step (a progress bar's feed).
     """
     options = options or RunOptions()
     if not plans:
@@ -98,6 +105,7 @@ def run_local_many(plans: Sequence[plan_pb2.Plan], options: RunOptions | None = 
         "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=options.timeout_s)
     )
     context = multiprocessing.get_context("spawn")
+    events = context.Queue() if on_step is not None else None
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="octopipe-run-") as folder:
         processes = [
@@ -113,6 +121,7 @@ def run_local_many(plans: Sequence[plan_pb2.Plan], options: RunOptions | None = 
                         store_port=port,
                         result_dir=folder,
                     ),
+                    events,
                 ),
                 name=f"octopipe-rank{r}",
             )
@@ -121,7 +130,8 @@ def run_local_many(plans: Sequence[plan_pb2.Plan], options: RunOptions | None = 
         for process in processes:
             process.start()
         log.info("ranks_started", ranks=world, plans=[plan.name for plan in plans], steps=options.steps)
-        _watch(processes, store, started + options.timeout_s * (options.steps + 2) * len(plans))
+        feed = None if events is None or on_step is None else (events, on_step)
+        _watch(processes, store, started + options.timeout_s * (options.steps + 2) * len(plans), feed=feed)
         wall = time.monotonic() - started
         errors = sorted(Path(folder).glob("rank*.error"), key=lambda p: p.stat().st_mtime)
         if errors or any(p.exitcode != 0 for p in processes):
@@ -148,6 +158,8 @@ def run_local_many(plans: Sequence[plan_pb2.Plan], options: RunOptions | None = 
             if entry.get("tied_grads") or entry.get("tied_params"):
                 result.tied_grads[int(entry["rank"])] = dict(entry["tied_grads"])
                 result.tied_params[int(entry["rank"])] = dict(entry["tied_params"])
+            if entry.get("flops_per_step") is not None:
+                result.flops_per_step[int(entry["rank"])] = float(entry["flops_per_step"])
             if entry.get("param_bytes") is not None:
                 result.param_bytes[int(entry["rank"])] = int(entry["param_bytes"])
             if entry.get("memory") is not None:
@@ -157,10 +169,29 @@ def run_local_many(plans: Sequence[plan_pb2.Plan], options: RunOptions | None = 
     return merged
 
 
-def _watch(processes: list[Any], store: dist.TCPStore, deadline: float, grace_s: float = 10.0) -> None:
-    """Wait for every rank; on the first failure raise the abort flag, then kill stragglers after a grace period."""
+def _drain(feed: tuple[Any, OnStep] | None) -> None:
+    if feed is None:
+        return
+    events, on_step = feed
+    while True:
+        try:
+            on_step(events.get_nowait())
+        except queue.Empty:
+            return
+
+
+def _watch(
+    processes: list[Any],
+    store: dist.TCPStore,
+    deadline: float,
+    grace_s: float = 10.0,
+    feed: tuple[Any, OnStep] | None = None,
+) -> None:
+    """Wait for every rank; on the first failure raise the abort flag, then kill stragglers after a grace period.
+    ``feed``: a queue of the ranks' completed steps and what to call with each."""
     failed_at: float | None = None
     while any(p.is_alive() for p in processes):
+        _drain(feed)
         now = time.monotonic()
         if failed_at is None and any(p.exitcode not in (None, 0) for p in processes):
             failed_at = now
@@ -176,3 +207,4 @@ def _watch(processes: list[Any], store: dist.TCPStore, deadline: float, grace_s:
         time.sleep(0.05)
     for process in processes:
         process.join(timeout=5)
+    _drain(feed)

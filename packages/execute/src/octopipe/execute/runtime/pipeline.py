@@ -35,6 +35,7 @@ from octopipe.execute.runtime import (
 from octopipe.execute.runtime.linkprobe import local_links
 from octopipe.execute.runtime.models import model_inputs, on_device
 from octopipe.execute.runtime.precision import dtype_named, in_precision
+from octopipe.execute.runtime.pretrained import params_on_meta, placeholders
 from octopipe.execute.runtime.whole_model import whole_model_stages
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
@@ -68,7 +69,9 @@ __all__ = [
 def layer_names(reference: plan_pb2.ModelReference) -> list[str]:
     """The pipeline layers of the model ``reference`` names, in execution order (a model captured whole:
     the layers of its traced forward, as the runtime splits it)."""
-    built = build_model(reference)
+    with params_on_meta():  # no weights: storage-free placeholders are enough to trace
+        built = build_model(reference)
+    placeholders(built.model, torch.device("cpu"))
     if built.input_names is None:
         return list(pipeline_spec(built.model).names)
     inputs, targets = built.batch(0)

@@ -55,7 +55,7 @@ from octopipe.execute.runtime.stages import rank_stages, split_batch
 from octopipe.execute.runtime.whole_model import buffer_specs, guard, guard_stages, reduce_tied, tied_indices
 from octopipe.ir import Program, compile_plan, stage_ranks
 from octopipe.plan.v1 import plan_pb2
-from octopipe.transform import Device, StageCompiler, StageExecutable
+from octopipe.transform import Device, StageCompiler, StageExecutable, graph_flops
 
 __all__ = ["StepEvents", "publish_plan", "worker_main"]
 
@@ -225,6 +225,8 @@ def _run_plan(
     whole, first = compiled.whole, compiled.first
 
     plain = {s: e for s, e in executables.items() if isinstance(e, StageExecutable)}
+    # matmul and attention FLOPs of a step on this rank, from its captured graphs (a recompute counted)
+    flops = m * sum(graph_flops(e.graphs.forward) + graph_flops(e.graphs.backward) for e in plain.values())
     ties = whole.ties if whole is not None else []
 
     tied_names = {name for tie in ties for _, name in tie.uses}
@@ -372,6 +374,7 @@ def _run_plan(
     return {
         "memory": memory,
         "param_bytes": param_bytes,
+        "flops_per_step": flops if len(plain) == len(mine) else None,
         "plan": plan_index,
         "rank": rank,
         "numerics": numerics,

@@ -1,0 +1,225 @@
+"""``octopipe train``'s job through the Python API: a checked ``TrainConfig`` in; the run, a metrics row
+per step (``metrics.jsonl`` and TensorBoard event files) and a summary out.
+
+``prepare_job`` turns the config into what runs: the model (a zoo workload, a transformers checkpoint
+folder -- its weights loaded stage by stage --, or ``package.module:function``), the plan (a file, or
+1F1B / ZB-H1 on equal layer counts), and the run's options. ``train`` runs it on local CPU ranks and
+writes, per step: loss, learning rate, gradient norm, step time (first rank's start to last rank's end),
+tokens/s, MFU (the captured graphs' matmul and attention FLOPs over the step time and the ranks' peak),
+the measured bubble (the share of the step a rank's compute stream was idle, averaged over ranks) and
+each rank's peak resident memory and held activation bytes. ``peak_gflops`` measures one core's fp32
+matmul rate when the config does not give it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from octopipe.execute.runs import RunOptions, RunResult, StepTimeline
+from octopipe.execute.runtime.launcher import run_local
+from octopipe.execute.runtime.measure import measured_step_times_us
+from octopipe.execute.runtime.models import build_model, workload_reference
+from octopipe.execute.runtime.pipeline import baseline_plan
+from octopipe.execute.runtime.pretrained import params_on_meta
+from octopipe.execute.train_config import TrainConfig
+from octopipe.execute.training import WeightsSpec
+from octopipe.ir import load_plan
+from octopipe.plan.v1 import plan_pb2
+
+__all__ = ["CAUSAL_LM_SOURCE", "TrainJob", "TrainSummary", "peak_gflops", "prepare_job", "step_rows", "train"]
+
+#: the model source of a transformers checkpoint folder (``[model] hf``)
+CAUSAL_LM_SOURCE = "octopipe.execute.runtime.pretrained:causal_lm"
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """What a config runs: the plan (its model inside), the run's options, tokens per step."""
+
+    plan: plan_pb2.Plan
+    options: RunOptions
+    tokens_per_step: int
+
+
+@dataclass
+class TrainSummary:
+    """What a job did: the run's result, a metrics row per step, where they were written."""
+
+    result: RunResult
+    rows: list[dict[str, Any]]
+    metrics: Path
+    tensorboard: Path | None
+    #: seconds from ``train``'s start to the end of the first step on every rank
+    first_step_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _reference(config: TrainConfig) -> plan_pb2.ModelReference:
+    model = config.section("model")
+    sizes = {"sequence": str(model["sequence"]), "global_batch": str(model["global_batch"])}
+    if model["hf"] and model["source"]:
+        raise ValueError("[model] hf and source both name a model: give one")
+    if model["hf"]:
+        reference = plan_pb2.ModelReference(name=Path(model["hf"]).name or model["hf"], source=CAUSAL_LM_SOURCE)
+        reference.config.update({"path": model["hf"], **sizes})
+        return reference
+    if model["source"]:
+        reference = plan_pb2.ModelReference(name=model["source"], source=model["source"])
+        reference.config.update(
+            {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in model["options"].items()}
+        )
+        return reference
+    return workload_reference(
+        model["workload"],
+        tiny=model["tiny"],
+        vocab=model["vocab"],
+        sequence=model["sequence"],
+        global_batch=model["global_batch"],
+    )
+
+
+def prepare_job(config: TrainConfig, steps: int | None = None) -> TrainJob:
+    """The plan and options ``config`` names (``steps`` overrides ``[run] steps``)."""
+    steps = steps if steps is not None else config.steps
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    plan_keys, run_keys, model = config.section("plan"), config.section("run"), config.section("model")
+    reference = _reference(config)
+    if plan_keys["file"]:
+        plan = load_plan(Path(plan_keys["file"]))
+        if plan.model.SerializeToString(deterministic=True) != reference.SerializeToString(deterministic=True):
+            raise ValueError(f"[plan] file {plan_keys['file']} names another model than [model]: make them agree")
+    else:
+        plan = baseline_plan(
+            reference,
+            num_ranks=plan_keys["ranks"],
+            num_microbatches=plan_keys["microbatches"],
+            schedule=plan_keys["schedule"],
+        )
+    weights = config.section("weights")
+    load = weights["load"] or model["hf"]  # a transformers folder's own weights, unless told otherwise
+    with params_on_meta():  # the batch's shape, without the weights
+        inputs, _ = build_model(plan.model).batch(0)
+    options = RunOptions(
+        steps=steps,
+        seed=run_keys["seed"],
+        timeout_s=max(run_keys["timeout_s"], 1.0),
+        optimization=config.optimization(steps),
+        data=config.data() if config.section("data")["enabled"] else None,
+        weights=WeightsSpec(load=load, export=weights["export"]) if load or weights["export"] else None,
+        checkpoint_dir=run_keys["checkpoint_dir"],
+        checkpoint_every=run_keys["checkpoint_every"],
+    )
+    return TrainJob(plan=plan, options=options, tokens_per_step=int(inputs.numel()))
+
+
+def peak_gflops(seconds: float = 0.3, size: int = 512) -> float:
+    """One core's fp32 matmul rate (best of repeated ``size``-square products, one thread), GFLOP/s."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        best, deadline = float("inf"), time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+        return 2.0 * size**3 / best / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compute_busy_ns(step: StepTimeline) -> int:
+    return sum(r.end_ns - r.start_ns for r in step.records if r.stream == "compute")
+
+
+def step_rows(result: RunResult, job: TrainJob, gflops_per_rank: float) -> list[dict[str, Any]]:
+    """A metrics row per step (see the module docstring)."""
+    times_us = measured_step_times_us(result)
+    flops = sum(result.flops_per_step.values()) if len(result.flops_per_step) == len(result.timelines) else None
+    peak = gflops_per_rank * 1e9 * len(result.timelines)
+    rows = []
+    for step, loss in enumerate(result.losses):
+        seconds = times_us[step] / 1e6
+        row: dict[str, Any] = {"step": step, "loss": loss, "learning_rate": job.options.optimization.lr_at(step)}
+        if result.grad_norms:
+            row["grad_norm"] = result.grad_norms[step]
+        row["step_ms"] = seconds * 1e3
+        row["tokens_per_s"] = job.tokens_per_step / seconds
+        if flops is not None and peak > 0:
+            row["mfu"] = flops / seconds / peak
+        bubbles, rss, held = [], {}, {}
+        for rank, steps in sorted(result.timelines.items()):
+            bubbles.append(1.0 - _compute_busy_ns(steps[step]) / (times_us[step] * 1e3))
+            rss[str(rank)] = max((r.rss_bytes for r in steps[step].records), default=0) / 2**20
+            held[str(rank)] = max((r.held_bytes for r in steps[step].records), default=0) / 2**20
+        row["bubble"] = sum(bubbles) / len(bubbles)
+        row["peak_rss_mib"] = rss
+        row["peak_held_mib"] = held
+        rows.append(row)
+    return rows
+
+
+def _write(rows: list[dict[str, Any]], out: Path, tensorboard: bool) -> tuple[Path, Path | None]:
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = out / "metrics.jsonl"
+    with metrics.open("w") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+    if not tensorboard:
+        return metrics, None
+    try:
+        from tensorboardX import SummaryWriter  # type: ignore[import-untyped]  # noqa: PLC0415 - optional
+    except ImportError:
+        raise ValueError(
+            "[metrics] tensorboard needs tensorboardX: pip install 'octopipe-execute[tensorboard]', or set "
+            "[metrics] tensorboard = false"
+        ) from None
+    folder = out / "tensorboard"
+    writer = SummaryWriter(str(folder))
+    try:
+        for row in rows:
+            for key, value in row.items():
+                if key == "step":
+                    continue
+                if isinstance(value, dict):
+                    for rank, figure in value.items():
+                        writer.add_scalar(f"{key}/rank{rank}", figure, row["step"])
+                else:
+                    writer.add_scalar(key, value, row["step"])
+    finally:
+        writer.close()
+    return metrics, folder
+
+
+def train(
+    config: TrainConfig,
+    *,
+    steps: int | None = None,
+    out: Path = Path("out/train"),
+    on_step: Callable[[StepTimeline], None] | None = None,
+) -> TrainSummary:
+    """Run ``config``'s job on local CPU ranks and write its metrics under ``out``."""
+    started = time.monotonic()
+    job = prepare_job(config, steps)
+    metrics_keys = config.section("metrics")
+    gflops = metrics_keys["peak_gflops"] or peak_gflops()
+    result = run_local(job.plan, job.options, on_step=on_step)
+    first_end = max(steps_[0].end_ns for steps_ in result.timelines.values()) / 1e9
+    rows = step_rows(result, job, gflops)
+    metrics, tensorboard = _write(rows, out, metrics_keys["tensorboard"])
+    return TrainSummary(
+        result=result,
+        rows=rows,
+        metrics=metrics,
+        tensorboard=tensorboard,
+        first_step_s=first_end - started,
+        extra={"peak_gflops_per_rank": gflops, "plan": job.plan.name, "tokens_per_step": job.tokens_per_step},
+    )
