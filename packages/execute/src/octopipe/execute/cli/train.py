@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         "metrics": str(summary.metrics),
         "tensorboard": str(summary.tensorboard) if summary.tensorboard else None,
         "first_step_s": round(summary.first_step_s, 3),
+        "first_step_end_monotonic_s": summary.extra["first_step_end_monotonic_s"],
+        "rank_cores": {str(rank): cores for rank, cores in sorted(result.cores.items())},
         "wall_s": round(result.wall_s, 2),
         "median_step_ms": round(statistics.median(r["step_ms"] for r in rows), 3),
         "median_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rows), 1),

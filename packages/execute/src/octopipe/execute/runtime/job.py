@@ -221,5 +221,10 @@ def train(
         metrics=metrics,
         tensorboard=tensorboard,
         first_step_s=first_end - started,
-        extra={"peak_gflops_per_rank": gflops, "plan": job.plan.name, "tokens_per_step": job.tokens_per_step},
+        extra={
+            "peak_gflops_per_rank": gflops,
+            "plan": job.plan.name,
+            "tokens_per_step": job.tokens_per_step,
+            "first_step_end_monotonic_s": first_end,
+        },
     )
