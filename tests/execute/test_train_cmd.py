@@ -13,6 +13,7 @@ import torch
 from octopipe.execute.cli import EXIT_USAGE, main
 from octopipe.execute.runtime import reference_run, workload_reference
 from octopipe.execute.runtime.job import prepare_job
+from octopipe.execute.runtime.pipeline import profile_reference
 from octopipe.execute.train_config import load_train_config
 
 
@@ -122,14 +123,20 @@ def test_an_hf_folder_trains_from_its_weights_and_exports_them(
     torch.manual_seed(3)
     LlamaForCausalLM(config).save_pretrained(tmp_path / "in")
     toml = tmp_path / "train.toml"
-    toml.write_text(
+    text = (
         f"[model]\nhf = '{tmp_path / 'in'}'\nsequence = 8\nglobal_batch = 4\n[data]\nenabled = false\n"
         f"[weights]\nexport = '{tmp_path / 'out'}'\n[plan]\nschedule = '1f1b'\nmicrobatches = 2\n"
-        "[metrics]\ntensorboard = false\n[schedule]\nwarmup_steps = 0\nkind = 'constant'\n"
+        "[schedule]\nwarmup_steps = 0\nkind = 'constant'\n"
     )
+    toml.write_text(text)
+    profile = tmp_path / "profile.binpb"  # the model's layers profiled, for the simulator's prediction
+    reference = prepare_job(load_train_config(toml), 2)
+    profile.write_bytes(profile_reference(reference.plan.model, num_microbatches=2, repeats=2).SerializeToString())
+    toml.write_text(text + f"[metrics]\ntensorboard = false\nprofile = '{profile}'\n")
     assert main(["train", str(toml), "--steps", "2", "--out", str(tmp_path / "m"), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["tensorboard"] is None and summary["steps"] == 2
+    assert summary["predicted_step_ms"] > 0 and 0 <= summary["predicted_bubble"] < 1
     loaded = load_train_config(toml)
     reference = prepare_job(loaded, 2)
     ref = reference_run(

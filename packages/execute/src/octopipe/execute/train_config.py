@@ -73,6 +73,7 @@ KEYS: dict[str, dict[str, tuple[type, Any, str]]] = {
     "metrics": {
         "tensorboard": (bool, True, "also write TensorBoard event files (needs tensorboardX)"),
         "peak_gflops": (float, 0.0, "one rank's peak GFLOP/s for MFU; 0: measure one core's fp32 matmul rate"),
+        "profile": (str, "", "a Profile of this model (octopipe profile): predicted step time and bubble per step"),
     },
     "run": {
         "steps": (int, 200, "optimizer steps"),

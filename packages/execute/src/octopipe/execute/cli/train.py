@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from octopipe.execute.cli.profile import load_profile
 from octopipe.execute.cli.progress import step_bar
 from octopipe.execute.runs import StepTimeline
 from octopipe.execute.train_config import keys_help, load_train_config
@@ -47,7 +48,9 @@ def run(args: argparse.Namespace) -> int:
             if timeline.loss is not None:  # the last stage's rank: one report per step
                 advance(timeline.step, timeline.loss)
 
-        summary = train(config, steps=steps, out=args.out, on_step=on_step)
+        profile_file = config.section("metrics")["profile"]
+        profile = load_profile(Path(profile_file)) if profile_file else None
+        summary = train(config, steps=steps, out=args.out, on_step=on_step, profile=profile)
     result, rows = summary.result, summary.rows
     report = {
         "config": config.source,
@@ -64,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
         "median_step_ms": round(statistics.median(r["step_ms"] for r in rows), 3),
         "median_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rows), 1),
         "median_mfu": round(statistics.median(r["mfu"] for r in rows), 4) if "mfu" in rows[0] else None,
+        "median_bubble": round(statistics.median(r["bubble"] for r in rows), 4),
+        "predicted_step_ms": rows[0].get("predicted_step_ms"),
+        "predicted_bubble": rows[0].get("predicted_bubble"),
     }
     if args.json:
         sys.stdout.write(json.dumps(report) + "\n")
@@ -76,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(
             f"{step:>6} {row['loss']:>9.4f} {row['learning_rate']:>10.2e} {row['step_ms']:>9.1f} "
             f"{row['tokens_per_s']:>10.0f} {mfu:>7}\n"
+        )
+    if report["predicted_step_ms"] is not None:
+        sys.stdout.write(
+            f"median step {report['median_step_ms']:.1f} ms, bubble {report['median_bubble']:.1%}; the simulator "
+            f"predicted {report['predicted_step_ms']:.1f} ms, bubble {report['predicted_bubble']:.1%}\n"
         )
     sys.stdout.write(
         f"trained {report['plan']} for {steps} steps in {result.wall_s:.1f} s (first step done "

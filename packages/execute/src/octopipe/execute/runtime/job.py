@@ -7,7 +7,8 @@ folder -- its weights loaded stage by stage --, or ``package.module:function``),
 writes, per step: loss, learning rate, gradient norm, step time (first rank's start to last rank's end),
 tokens/s, MFU (the captured graphs' matmul and attention FLOPs over the step time and the ranks' peak),
 the measured bubble (the share of the step a rank's compute stream was idle, averaged over ranks) and
-each rank's peak resident memory and held activation bytes. ``peak_gflops`` measures one core's fp32
+each rank's peak resident memory and held activation bytes; given a profile of the model, the
+simulator's predicted step time and bubble beside them. ``peak_gflops`` measures one core's fp32
 matmul rate when the config does not give it.
 """
 
@@ -32,6 +33,8 @@ from octopipe.execute.train_config import TrainConfig
 from octopipe.execute.training import WeightsSpec
 from octopipe.ir import load_plan
 from octopipe.plan.v1 import plan_pb2
+from octopipe.profile.v1 import profile_pb2
+from octopipe.simulate import Estimate, local_cost_model, simulate
 
 __all__ = ["CAUSAL_LM_SOURCE", "TrainJob", "TrainSummary", "peak_gflops", "prepare_job", "step_rows", "train"]
 
@@ -140,8 +143,10 @@ def _compute_busy_ns(step: StepTimeline) -> int:
     return sum(r.end_ns - r.start_ns for r in step.records if r.stream == "compute")
 
 
-def step_rows(result: RunResult, job: TrainJob, gflops_per_rank: float) -> list[dict[str, Any]]:
-    """A metrics row per step (see the module docstring)."""
+def step_rows(
+    result: RunResult, job: TrainJob, gflops_per_rank: float, predicted: Estimate | None = None
+) -> list[dict[str, Any]]:
+    """A metrics row per step (see the module docstring); ``predicted``: the simulator's step, beside."""
     times_us = measured_step_times_us(result)
     flops = sum(result.flops_per_step.values()) if len(result.flops_per_step) == len(result.timelines) else None
     peak = gflops_per_rank * 1e9 * len(result.timelines)
@@ -161,6 +166,9 @@ def step_rows(result: RunResult, job: TrainJob, gflops_per_rank: float) -> list[
             rss[str(rank)] = max((r.rss_bytes for r in steps[step].records), default=0) / 2**20
             held[str(rank)] = max((r.held_bytes for r in steps[step].records), default=0) / 2**20
         row["bubble"] = sum(bubbles) / len(bubbles)
+        if predicted is not None:
+            row["predicted_step_ms"] = predicted.step_time_us / 1e3
+            row["predicted_bubble"] = predicted.bubble_ratio
         row["peak_rss_mib"] = rss
         row["peak_held_mib"] = held
         rows.append(row)
@@ -205,15 +213,18 @@ def train(
     steps: int | None = None,
     out: Path = Path("out/train"),
     on_step: Callable[[StepTimeline], None] | None = None,
+    profile: profile_pb2.Profile | None = None,
 ) -> TrainSummary:
-    """Run ``config``'s job on local CPU ranks and write its metrics under ``out``."""
+    """Run ``config``'s job on local CPU ranks and write its metrics under ``out``. ``profile`` (of this
+    model, ``octopipe profile``): the simulator predicts each step's time and bubble beside the measured."""
     started = time.monotonic()
     job = prepare_job(config, steps)
+    predicted = simulate(job.plan, local_cost_model(job.plan, profile)).estimate if profile is not None else None
     metrics_keys = config.section("metrics")
     gflops = metrics_keys["peak_gflops"] or peak_gflops()
     result = run_local(job.plan, job.options, on_step=on_step)
     first_end = max(steps_[0].end_ns for steps_ in result.timelines.values()) / 1e9
-    rows = step_rows(result, job, gflops)
+    rows = step_rows(result, job, gflops, predicted)
     metrics, tensorboard = _write(rows, out, metrics_keys["tensorboard"])
     return TrainSummary(
         result=result,
