@@ -191,6 +191,32 @@ def test_a_byte_corpus_visits_every_row_once_an_epoch_and_draws_each_step_from_i
     assert stdlib.num_rows >= 20_000 // 32 and all(f.endswith(".py") for f in stdlib.files)
 
 
+def test_a_tokenizer_folder_gives_its_own_ids_each_file_ended_by_its_eos(tmp_path: Path) -> None:
+    """A transformers tokenizer (a byte-level BPE trained here, saved with save_pretrained: no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    files = _text_files(tmp_path)
+    texts = [Path(f).read_text() for f in files]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "</s>"], initial_alphabet=alphabet)
+    )
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>", unk_token="<unk>").save_pretrained(tmp_path / "tok")
+    encoder = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    expected = [i for text in texts for i in [*encoder(text, add_special_tokens=False)["input_ids"], 1]]
+    corpus = ByteCorpus(files, sequence=15, tokenizer=str(tmp_path / "tok"))
+    assert corpus.rows.reshape(-1).tolist() == expected[: corpus.num_rows * 16]  # packed in file order
+    assert len(expected) < sum(len(t) for t in texts) and corpus.vocabulary > BYTE_VOCAB  # merged, not bytes
+    built = build_model(workload_reference("llama-8", tiny=True, sequence=15, global_batch=M, vocab=300))
+    with pytest.raises(ValueError, match=rf"tokenized data needs a vocabulary of at least {corpus.vocabulary}"):
+        with_data(built, DataSpec(files=tuple(files), tokenizer=str(tmp_path / "tok")))
+    with pytest.raises(ValueError, match=r"tokenizer '.*nothing'"):
+        ByteCorpus(files, sequence=15, tokenizer=str(tmp_path / "nothing"))
+
+
 def test_byte_data_needs_a_vocabulary_of_256() -> None:
     built = build_model(workload_reference("llama-8", tiny=True, sequence=8, global_batch=M))  # vocab 64
     with pytest.raises(ValueError, match=r"vocabulary of at least 256 token ids; the model's embedding has 64"):

@@ -48,6 +48,12 @@ KEYS: dict[str, dict[str, tuple[type, Any, str]]] = {
         "files": (list, [], "text files read as bytes; empty: the Python standard library's own source"),
         "seed": (int, 0, "the order rows are drawn in (each epoch its own)"),
         "max_bytes": (int, 1 << 20, "how much of the standard library to read when no files are given"),
+        "tokenizer": (
+            str,
+            "",
+            "'bytes', or a transformers tokenizer folder (or hub id in the local cache); empty: [model] hf's own "
+            "tokenizer when its folder has one, else bytes",
+        ),
     },
     "optimizer": {
         "name": (str, "adamw", "adamw or sgd"),
@@ -133,7 +139,16 @@ class TrainConfig:
 
     def data(self) -> DataSpec:
         d = self.values["data"]
-        return DataSpec(files=tuple(d["files"]), seed=d["seed"], max_bytes=d["max_bytes"])
+        tokenizer = d["tokenizer"]
+        hf = self.values["model"]["hf"]
+        if not tokenizer and hf and any((Path(hf) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            tokenizer = hf  # the model's own tokenizer
+        return DataSpec(
+            files=tuple(d["files"]),
+            seed=d["seed"],
+            max_bytes=d["max_bytes"],
+            tokenizer="" if tokenizer == "bytes" else tokenizer,
+        )
 
 
 def _checked(section: str, key: str, value: object) -> object:

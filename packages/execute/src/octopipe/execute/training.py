@@ -100,6 +100,8 @@ class DataSpec:
     files: tuple[str, ...] = ()
     seed: int = 0
     max_bytes: int = 4 << 20
+    #: a transformers tokenizer (folder, or hub id in the local cache) instead of bytes
+    tokenizer: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "files", tuple(str(f) for f in self.files))

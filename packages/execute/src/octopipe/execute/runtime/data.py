@@ -1,8 +1,11 @@
-"""Training data from files: bytes as tokens, packed into rows, drawn per step from a seed.
+"""Training data from files: token ids packed into rows, drawn per step from a seed.
 
 :class:`ByteCorpus` reads text files as bytes (token ids 0-255: a byte-level tokenizer that needs no
-files of its own), concatenates them and packs them into rows of ``sequence + 1`` tokens (inputs and
-their next-token targets), without padding: the tail that does not fill a row is left out. Each epoch
+files of its own) or, given a ``tokenizer`` (a folder with a transformers tokenizer, or a hub id in the
+local cache), as that tokenizer's ids (each file encoded without special tokens, followed by the
+tokenizer's end-of-sequence id where it has one). It concatenates them and packs them into rows of
+``sequence + 1`` tokens (inputs and their next-token targets), without padding: the tail that does not
+fill a row is left out. Each epoch
 visits every row once in an order drawn from the seed and the epoch; step s takes the ``global_batch``
 rows at its place in its epoch. So a batch is a function of (files, seed, step) alone: a run resumed
 from a checkpoint at step k draws exactly the batches an uninterrupted run draws from step k on, and
@@ -50,22 +53,32 @@ class ByteCorpus:
     """Token rows packed from files (see the module docstring)."""
 
     def __init__(
-        self, files: Sequence[str | Path] = (), *, sequence: int, seed: int = 0, max_bytes: int = 4 << 20
+        self,
+        files: Sequence[str | Path] = (),
+        *,
+        sequence: int,
+        seed: int = 0,
+        max_bytes: int = 4 << 20,
+        tokenizer: str = "",
     ) -> None:
         if sequence < 1:
             raise ValueError(f"sequence must be >= 1, got {sequence}")
         paths = [Path(f) for f in files] if files else stdlib_sources(max_bytes)
-        data = bytearray()
+        texts = []
         for path in paths:
             try:
-                data += path.read_bytes()
+                texts.append(path.read_bytes())
             except OSError as exc:
                 raise ValueError(f"data file {path}: {exc.strerror}") from None
-        rows = len(data) // (sequence + 1)
+        ids = (
+            _encode(texts, tokenizer) if tokenizer else torch.frombuffer(bytearray(b"".join(texts)), dtype=torch.uint8)
+        )
+        rows = len(ids) // (sequence + 1)
         if rows == 0:
-            raise ValueError(f"the data files hold {len(data)} bytes: not one row of {sequence + 1} tokens")
-        tokens = torch.frombuffer(data[: rows * (sequence + 1)], dtype=torch.uint8)  # a bytearray: writable
-        self.rows = tokens.to(torch.int64).reshape(rows, sequence + 1)
+            raise ValueError(f"the data files hold {len(ids)} tokens: not one row of {sequence + 1}")
+        self.rows = ids[: rows * (sequence + 1)].to(torch.int64).reshape(rows, sequence + 1)
+        #: token ids the model's embedding must have: 256 for bytes, the largest id + 1 for a tokenizer
+        self.vocabulary = BYTE_VOCAB if not tokenizer else int(self.rows.max()) + 1
         self.files = [str(p) for p in paths]
         self.sequence, self.seed = sequence, seed
 
@@ -93,13 +106,30 @@ class ByteCorpus:
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def check_vocabulary(self, model: nn.Module) -> None:
-        """Refuse a model whose (first) embedding has fewer than 256 token ids: bytes would index past it."""
+        """Refuse a model whose (first) embedding has fewer token ids than the data uses (256 for bytes)."""
         embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-        if embedding is not None and embedding.num_embeddings < BYTE_VOCAB:
+        if embedding is not None and embedding.num_embeddings < self.vocabulary:
+            kind = "byte-level data" if self.vocabulary == BYTE_VOCAB else "the tokenized data"
             raise ValueError(
-                f"byte-level data needs a vocabulary of at least {BYTE_VOCAB} token ids; the model's embedding has "
+                f"{kind} needs a vocabulary of at least {self.vocabulary} token ids; the model's embedding has "
                 f"{embedding.num_embeddings}: give the model a larger vocabulary (e.g. model config vocab=256)"
             )
+
+
+def _encode(texts: Sequence[bytes], tokenizer: str) -> torch.Tensor:
+    """Each text's ids under ``tokenizer`` (no special tokens), each followed by its end-of-sequence id."""
+    from transformers import AutoTokenizer  # noqa: PLC0415 - only a tokenizer needs it
+
+    try:
+        encoder = AutoTokenizer.from_pretrained(tokenizer)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"tokenizer {tokenizer!r}: {str(exc).splitlines()[0]}") from None
+    ids: list[int] = []
+    for text in texts:
+        ids += encoder(text.decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+        if encoder.eos_token_id is not None:
+            ids.append(int(encoder.eos_token_id))
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 def with_data(built: BuiltModel, spec: DataSpec) -> BuiltModel:
@@ -112,7 +142,9 @@ def with_data(built: BuiltModel, spec: DataSpec) -> BuiltModel:
     if inputs.dim() != 2 or inputs.dtype.is_floating_point:
         raise ValueError(f"data files give token ids; this model's inputs are {tuple(inputs.shape)} {inputs.dtype}")
     global_batch, sequence = int(inputs.shape[0]), int(inputs.shape[1])
-    corpus = ByteCorpus(spec.files, sequence=sequence, seed=spec.seed, max_bytes=spec.max_bytes)
+    corpus = ByteCorpus(
+        spec.files, sequence=sequence, seed=spec.seed, max_bytes=spec.max_bytes, tokenizer=spec.tokenizer
+    )
     corpus.check_vocabulary(built.model)
     corpus.steps_per_epoch(global_batch)  # at least one batch: refused here, not at the first step
 
