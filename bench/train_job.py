@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -139,17 +140,39 @@ def metrics_overhead(rounds: int, steps: int, environment: Any) -> dict[str, Any
                 write_s.append((time.perf_counter() - started) / steps)
     with_feed, without = (step_summary(samples[k]) for k in ("with_feed", "without"))
     overhead = with_feed["median_ms"] / without["median_ms"] - 1.0
+    feed_us = _feed_cost_us(result.timelines[0][-1])
     written = statistics.median(write_s) * 1e3
+    direct = feed_us / (without["median_ms"] * 1e3)
     print(
         f"metrics feed: step {with_feed['median_ms']:.2f} ms with, {without['median_ms']:.2f} ms without "
-        f"({overhead:+.2%}); writing metrics.jsonl + TensorBoard after the run: {written:.3f} ms per step"
+        f"({overhead:+.2%}, p10-p90 {with_feed['p10_ms']:.0f}-{with_feed['p90_ms']:.0f} vs "
+        f"{without['p10_ms']:.0f}-{without['p90_ms']:.0f}); the feed's own work per step on a rank "
+        f"{feed_us:.0f} us = {direct:.3%} of a step; writing metrics.jsonl + TensorBoard after the run: "
+        f"{written:.3f} ms per step"
     )
     return {
         "with_feed": with_feed,
         "without": without,
         "overhead": overhead,
+        "feed_us_per_step_per_rank": feed_us,
+        "feed_share_of_step": direct,
         "write_ms_per_step_after_run": written,
     }
+
+
+def _feed_cost_us(timeline: Any, repeats: int = 200) -> float:
+    """What the feed costs a rank per step, measured directly: a step's timeline put on a multiprocessing
+    queue and taken off it by another process (the rank's put and its feeder thread's pickling and write),
+    median of ``repeats``, in microseconds."""
+    context = multiprocessing.get_context("spawn")
+    events = context.Queue()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        events.put(timeline)
+        events.get(timeout=10)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e6
 
 
 def load_speed(folder: Path, scratch: Path, repeats: int) -> dict[str, Any]:
