@@ -9,6 +9,7 @@ number of processes).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from octopipe.execute.runtime import RunOptions, build_model, reference_run, run_local, workload_reference
+from octopipe.execute.train_config import load_train_config
 from octopipe.ir import mesh_spec, save_plan, with_collectives
 from octopipe.plan.v1 import plan_pb2
 from octopipe.tune import CollectivePlacement, equal_partition, one_f_one_b
@@ -79,3 +81,30 @@ def test_torchrun_with_the_wrong_process_count_names_the_one_needed(tmp_path: Pa
     done = _torchrun(tmp_path / "plan.binpb", tmp_path / "out", 2)
     assert done.returncode != 0
     assert "the launch has 2 ranks but the plan needs 4 (2 pipeline ranks x 2 replicas)" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # another launch of 2 processes (CI's budget); the default test above joins torchrun the same way
+def test_torchrun_trains_a_config_and_rank_zero_writes_the_metrics(tmp_path: Path) -> None:
+    """``octopipe train CONFIG --torchrun``: each process is a rank; rank 0 gathers the ranks' results and
+    writes metrics.jsonl, whose losses and norms are bitwise the single process's."""
+    config = tmp_path / "train.toml"
+    config.write_text(
+        "[model]\nworkload = 'llama-8'\nsequence = 16\nglobal_batch = 4\n[data]\nmax_bytes = 40000\n"
+        "[plan]\nschedule = '1f1b'\nmicrobatches = 2\n[metrics]\ntensorboard = false\npeak_gflops = 10.0\n"
+        "[run]\ntimeout_s = 120.0\n"
+    )
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "octopipe.execute", "train", str(config), "--torchrun", "--steps", "2", "--json",
+        "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    loaded = load_train_config(config)
+    reference = workload_reference("llama-8", tiny=True, vocab=256, sequence=16, global_batch=4)
+    ref = reference_run(reference, num_microbatches=2, steps=2, optimization=loaded.optimization(2), data=loaded.data())
+    assert [r["loss"] for r in rows] == ref.losses and [r["grad_norm"] for r in rows] == ref.grad_norms
+    assert all(r["step_ms"] > 0 and r["mfu"] > 0 for r in rows)

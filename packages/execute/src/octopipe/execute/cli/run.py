@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,12 +13,13 @@ from rich.table import Table
 from octopipe.execute.cli.jsonout import estimate_json, print_json
 from octopipe.execute.cli.profile import load_profile, save_profile
 from octopipe.execute.cli.progress import spinner
+from octopipe.execute.cli.torchrun import torchrun_rank
 from octopipe.execute.devices import RUN_DEVICES
-from octopipe.execute.runs import RunOptions, WorkerConfig, precision_problem
-from octopipe.ir import load_plan, mesh_spec
+from octopipe.execute.runs import RunOptions
+from octopipe.ir import load_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import local_cost_model, simulate, verify_plan
+from octopipe.simulate import local_cost_model, simulate
 from octopipe.tune import ScheduleRegistry
 
 __all__ = ["register", "run"]
@@ -74,27 +74,6 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
 
 
 def _join_torchrun(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
-    from octopipe.execute.runtime import worker_main  # noqa: PLC0415
-
-    try:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    except (KeyError, ValueError) as exc:
-        raise ValueError(
-            f"--torchrun needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment ({exc})"
-        ) from None
-    needed = mesh_spec(plan).world_size  # pipeline ranks x data-parallel replicas
-    if world != needed:
-        raise ValueError(
-            f"the launch has {world} ranks but the plan needs {needed} "
-            f"({len(plan.ranks)} pipeline ranks x {needed // len(plan.ranks)} replicas): start torchrun with "
-            f"--nproc-per-node {needed} (or as many ranks over its nodes)"
-        )
-    verify_plan(plan)  # every launch path verifies first: a plan the verifier rejects never runs
-    if problem := precision_problem(plan):
-        raise ValueError(problem)
-    args.out.mkdir(parents=True, exist_ok=True)
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     options = RunOptions(
         steps=args.steps,
         seed=args.seed,
@@ -103,20 +82,7 @@ def _join_torchrun(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
         numerics_check=not args.skip_numerics_check,
         device=args.device,
     )
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # torchrun's: this rank's index on its machine (its GPU)
-    worker_main(
-        WorkerConfig.for_rank(
-            options,
-            plans=[plan.SerializeToString()],
-            rank=rank,
-            world_size=world,
-            store_host=host,
-            store_port=port,
-            store_is_master=rank == 0 and not agent_store,
-            result_dir=str(args.out),
-            local_rank=local_rank,
-        )
-    )
+    rank, _ = torchrun_rank(plan, options, args.out)
     sys.stdout.write(f"rank {rank}: results in {args.out / f'rank{rank}.pt'}\n")
     return 0
 

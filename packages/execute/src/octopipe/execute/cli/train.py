@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from octopipe.execute.cli.profile import load_profile
 from octopipe.execute.cli.progress import step_bar
+from octopipe.execute.cli.torchrun import torchrun_rank
 from octopipe.execute.runs import StepTimeline
-from octopipe.execute.train_config import keys_help, load_train_config
+from octopipe.execute.train_config import TrainConfig, keys_help, load_train_config
 from octopipe.tune import ScheduleRegistry
+
+if TYPE_CHECKING:
+    from octopipe.execute.runtime.job import TrainSummary
 
 __all__ = ["register", "run"]
 
@@ -33,6 +39,32 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     parser.add_argument("--steps", type=int, help="override [run] steps")
     parser.add_argument("--out", type=Path, default=Path("out/train"), help="where metrics.jsonl and tensorboard/ go")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument(
+        "--torchrun",
+        action="store_true",
+        help="join a torchrun launch as one rank (torchrun --nproc-per-node N -m octopipe.execute train CONFIG "
+        "--torchrun); ranks' results go to OUT/ranks, and rank 0 writes the metrics once every rank's are there",
+    )
+
+
+def _torchrun(args: argparse.Namespace, config: TrainConfig, steps: int, profile: Any) -> TrainSummary | None:
+    """This process's rank of the job in a torchrun launch; on rank 0, then the whole run's summary."""
+    from octopipe.execute.runtime.job import gather_rank_results, prepare_job, summarize  # noqa: PLC0415
+
+    started = time.monotonic()
+    job = prepare_job(config, steps)
+    options = dataclasses.replace(job.options, pin_cores=False)  # the launcher placed the processes
+    rank, world = torchrun_rank(job.plan, options, args.out / "ranks")
+    if rank != 0:
+        sys.stdout.write(f"rank {rank}: results in {args.out / 'ranks' / f'rank{rank}.pt'}\n")
+        return None
+    result = gather_rank_results(args.out / "ranks", job.plan, world, options.timeout_s)
+    if result is None:
+        raise ValueError(
+            f"rank 0 finished, but not every rank's results reached {args.out / 'ranks'} within "
+            f"{options.timeout_s:.0f} s (ranks on other machines write theirs there): metrics.jsonl not written"
+        )
+    return summarize(config, job, result, args.out, started=started, profile=profile)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,15 +74,21 @@ def run(args: argparse.Namespace) -> int:
     steps = args.steps if args.steps is not None else config.steps
     if steps < 1:
         raise ValueError(f"--steps must be at least 1, got {steps}")
-    with step_bar(f"training ({config.source})", steps, enabled=not args.json) as advance:
+    profile_file = config.section("metrics")["profile"]
+    profile = load_profile(Path(profile_file)) if profile_file else None
+    if args.torchrun:
+        joined = _torchrun(args, config, steps, profile)
+        if joined is None:
+            return 0
+        summary = joined
+    else:
+        with step_bar(f"training ({config.source})", steps, enabled=not args.json) as advance:
 
-        def on_step(timeline: StepTimeline) -> None:
-            if timeline.loss is not None:  # the last stage's rank: one report per step
-                advance(timeline.step, timeline.loss)
+            def on_step(timeline: StepTimeline) -> None:
+                if timeline.loss is not None:  # the last stage's rank: one report per step
+                    advance(timeline.step, timeline.loss)
 
-        profile_file = config.section("metrics")["profile"]
-        profile = load_profile(Path(profile_file)) if profile_file else None
-        summary = train(config, steps=steps, out=args.out, on_step=on_step, profile=profile)
+            summary = train(config, steps=steps, out=args.out, on_step=on_step, profile=profile)
     result, rows = summary.result, summary.rows
     report = {
         "config": config.source,

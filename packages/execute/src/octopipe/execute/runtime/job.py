@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from octopipe.execute.runs import RunOptions, RunResult, StepTimeline
-from octopipe.execute.runtime.launcher import run_local
+from octopipe.execute.runtime.launcher import merge_results, run_local
 from octopipe.execute.runtime.measure import measured_step_times_us
 from octopipe.execute.runtime.models import build_model, workload_reference
 from octopipe.execute.runtime.pipeline import baseline_plan
@@ -36,7 +36,17 @@ from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import Estimate, local_cost_model, simulate
 
-__all__ = ["CAUSAL_LM_SOURCE", "TrainJob", "TrainSummary", "peak_gflops", "prepare_job", "step_rows", "train"]
+__all__ = [
+    "CAUSAL_LM_SOURCE",
+    "TrainJob",
+    "TrainSummary",
+    "gather_rank_results",
+    "peak_gflops",
+    "prepare_job",
+    "step_rows",
+    "summarize",
+    "train",
+]
 
 #: the model source of a transformers checkpoint folder (``[model] hf``)
 CAUSAL_LM_SOURCE = "octopipe.execute.runtime.pretrained:causal_lm"
@@ -219,10 +229,23 @@ def train(
     model, ``octopipe profile``): the simulator predicts each step's time and bubble beside the measured."""
     started = time.monotonic()
     job = prepare_job(config, steps)
-    predicted = simulate(job.plan, local_cost_model(job.plan, profile)).estimate if profile is not None else None
+    result = run_local(job.plan, job.options, on_step=on_step)
+    return summarize(config, job, result, out, started=started, profile=profile)
+
+
+def summarize(
+    config: TrainConfig,
+    job: TrainJob,
+    result: RunResult,
+    out: Path,
+    *,
+    started: float,
+    profile: profile_pb2.Profile | None = None,
+) -> TrainSummary:
+    """The metrics rows of a finished run, written under ``out``; ``started``: the job's start (monotonic s)."""
     metrics_keys = config.section("metrics")
     gflops = metrics_keys["peak_gflops"] or peak_gflops()
-    result = run_local(job.plan, job.options, on_step=on_step)
+    predicted = simulate(job.plan, local_cost_model(job.plan, profile)).estimate if profile is not None else None
     first_end = max(steps_[0].end_ns for steps_ in result.timelines.values()) / 1e9
     rows = step_rows(result, job, gflops, predicted)
     metrics, tensorboard = _write(rows, out, metrics_keys["tensorboard"])
@@ -239,3 +262,19 @@ def train(
             "first_step_end_monotonic_s": first_end,
         },
     )
+
+
+def gather_rank_results(folder: Path, plan: plan_pb2.Plan, world: int, timeout_s: float) -> RunResult | None:
+    """A torchrun launch's RunResult from its ranks' result files in ``folder`` (``rank<r>.pt``), waiting up
+    to ``timeout_s`` for every one to be whole; None when some never are (ranks on machines that do not
+    share the folder)."""
+    deadline = time.monotonic() + timeout_s
+    paths = [folder / f"rank{r}.pt" for r in range(world)]
+    while True:
+        try:
+            results = [torch.load(p, weights_only=True, map_location="cpu") for p in paths]
+            return merge_results([plan], results)[0]
+        except (OSError, EOFError, RuntimeError):  # not there yet, or still being written
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.2)

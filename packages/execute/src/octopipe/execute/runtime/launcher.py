@@ -50,7 +50,7 @@ from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import verify_plan
 from octopipe.transform import visible_gpus
 
-__all__ = ["OnStep", "run_local", "run_local_many"]
+__all__ = ["OnStep", "merge_results", "run_local", "run_local_many"]
 
 #: called with each rank's completed step, in the launching process
 OnStep = Callable[[StepTimeline], None]
@@ -141,11 +141,22 @@ def run_local_many(
         results = [
             torch.load(Path(folder) / f"rank{r}.pt", weights_only=True, map_location="cpu") for r in range(world)
         ]
+    merged = merge_results(plans, results, wall)
+    log.info("run_finished", wall_s=round(wall, 2), losses=[[round(x, 5) for x in r.losses] for r in merged])
+    return merged
+
+
+def merge_results(
+    plans: Sequence[plan_pb2.Plan], results: Sequence[list[dict[str, Any]]], wall_s: float = 0.0
+) -> list[RunResult]:
+    """One RunResult per plan from every rank's result file (``rank<r>.pt``: a list with an entry per plan,
+    in global rank order); the loss is the mean of the replicas' last stages'."""
     merged: list[RunResult] = []
-    for index, (plan, mesh) in enumerate(zip(plans, meshes, strict=True)):
+    for index, plan in enumerate(plans):
+        mesh = mesh_spec(plan)
         last = [results[mesh.global_rank(plan.stages[-1].rank, d)][index]["losses"] for d in range(mesh.dp)]
         losses = [sum(step) / mesh.dp for step in zip(*last, strict=True)] if mesh.dp > 1 else list(last[0])
-        result = RunResult(losses=losses, wall_s=wall, grad_norms=list(results[0][index].get("grad_norms", [])))
+        result = RunResult(losses=losses, wall_s=wall_s, grad_norms=list(results[0][index].get("grad_norms", [])))
         for per_rank in results:
             entry = per_rank[index]
             result.grads.update(entry["grads"])
@@ -165,7 +176,6 @@ def run_local_many(
             if entry.get("memory") is not None:
                 result.memory[int(entry["rank"])] = dict(entry["memory"])
         merged.append(result)
-    log.info("run_finished", wall_s=round(wall, 2), losses=[[round(x, 5) for x in r.losses] for r in merged])
     return merged
 
 
