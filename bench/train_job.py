@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 from quiet import add_arguments, start, step_summary, write_record
-from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from octopipe.execute.runtime import run_local
@@ -177,7 +176,7 @@ def _feed_cost_us(timeline: Any, repeats: int = 200) -> float:
 
 def load_speed(folder: Path, scratch: Path, repeats: int) -> dict[str, Any]:
     source = WeightSource(folder)
-    loaded = source.read(_shapes(source))
+    loaded = source.read(source.meta())
     gigabytes = sum(t.nbytes for t in loaded.values()) / 1e9
     params = {n: torch.nn.Parameter(t) for n, t in loaded.items()}
     save_checkpoint(scratch / "ckpt", 1, params, torch.optim.AdamW(params.values()))  # parameters only
@@ -185,7 +184,7 @@ def load_speed(folder: Path, scratch: Path, repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {"gigabytes": gigabytes}
     for kind, path in (("hf_safetensors", folder), ("octopipe_checkpoint", scratch / "ckpt" / "step-1")):
         chosen = WeightSource(path)
-        shapes = _shapes(chosen)
+        shapes = chosen.meta()
         figures = {}
         for state in ("cold", "warm"):
             times = []
@@ -205,17 +204,6 @@ def load_speed(folder: Path, scratch: Path, repeats: int) -> dict[str, Any]:
             f"{figures['warm']['seconds_per_gb']:.2f} s/GB warm ({gigabytes:.2f} GB)"
         )
     return out
-
-
-def _shapes(source: WeightSource) -> dict[str, torch.Tensor]:
-    """Each tensor's shape as a meta tensor (from the files' headers)."""
-    if source.checkpoint:
-        return {n: torch.empty(tuple(m.size), device="meta") for n, m in source._stored.items()}
-    shapes = {}
-    for name, file in source.files.items():
-        with safe_open(str(file), framework="pt") as handle:
-            shapes[name] = torch.empty(handle.get_slice(name).get_shape(), device="meta")
-    return shapes
 
 
 def main() -> None:

@@ -38,7 +38,10 @@ def _save_llama(folder: Path, *, tied: bool = True, shard: str | None = None) ->
     )
     torch.manual_seed(7)  # weights no seed of a run would make: a run that ignored the files could not match
     model = LlamaForCausalLM(config)
-    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    if shard:
+        model.save_pretrained(folder, max_shard_size=shard)
+    else:
+        model.save_pretrained(folder)
     return model
 
 
@@ -62,6 +65,8 @@ def test_a_sharded_hf_checkpoint_is_read_tensor_by_tensor_and_equals_the_model(t
     assert (tmp_path / "model.safetensors.index.json").is_file()  # several shards and their index
     source = WeightSource(tmp_path)
     state = dict(model.named_parameters())
+    headers = source.meta()  # shapes and dtypes from the headers, nothing read
+    assert {n: (t.shape, t.dtype) for n, t in headers.items()} == {n: (p.shape, p.dtype) for n, p in state.items()}
     loaded = source.read({name: p for name, p in state.items()})
     assert all(torch.equal(loaded[name], p) for name, p in state.items())
     with params_on_meta():  # the model's own source, built with meta parameters, then every one read
@@ -77,7 +82,7 @@ def test_a_missing_or_misshapen_weight_is_refused_in_one_line(tmp_path: Path) ->
     tensors = {n: p.detach().clone() for n, p in model.named_parameters() if n != "model.norm.weight"}
     (tmp_path / "short").mkdir()
     save_file(tensors, str(tmp_path / "short" / "model.safetensors"))
-    wanted = dict(model.named_parameters())
+    wanted: dict[str, torch.Tensor] = dict(model.named_parameters())
     with pytest.raises(ValueError, match=r"lacks 1 of the model's parameters \(model.norm.weight\)") as missing:
         WeightSource(tmp_path / "short").read(wanted)
     assert "\n" not in str(missing.value)

@@ -90,10 +90,11 @@ def test_a_config_trains_as_the_python_api_does(tmp_path: Path, capsys: pytest.C
 
 def _tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
     """The scalars of a TensorBoard event file, read record by record (length, crc, event, crc)."""
-    from tensorboardX.proto import event_pb2
+    from tensorboardX.proto import event_pb2  # type: ignore[import-untyped]
 
     (path,) = folder.glob("events.out.tfevents.*")
-    data, at, out = path.read_bytes(), 0, {}
+    data, at = path.read_bytes(), 0
+    out: dict[str, list[tuple[int, float]]] = {}
     while at < len(data):
         (length,) = struct.unpack("<Q", data[at : at + 8])
         event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])

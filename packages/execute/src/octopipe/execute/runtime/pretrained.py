@@ -66,6 +66,21 @@ _COPIED = (
 )
 
 
+#: safetensors' dtype names
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
 @contextlib.contextmanager
 def params_on_meta() -> Iterator[None]:
     """Inside, every parameter a module registers goes to the meta device (no storage); buffers stay where
@@ -153,6 +168,25 @@ class WeightSource:
     @property
     def names(self) -> list[str]:
         return sorted(self.files)
+
+    def meta(self) -> dict[str, torch.Tensor]:
+        """Every tensor's shape and dtype as a meta tensor, from the files' headers (nothing read)."""
+        if self.checkpoint:
+            out = {}
+            for name, stored in self._stored.items():
+                if name in self.files:
+                    info: Any = stored
+                    out[name] = torch.empty(tuple(info.size), dtype=info.properties.dtype, device="meta")
+            return out
+        out = {}
+        for file in sorted(set(self.files.values())):
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - a safetensors handle
+                    if self.files.get(name) == file:
+                        view = handle.get_slice(name)
+                        dtype = _SAFETENSORS_DTYPES[view.get_dtype()]
+                        out[name] = torch.empty(tuple(view.get_shape()), dtype=dtype, device="meta")
+        return out
 
     def read(self, wanted: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors named by ``wanted``'s keys, on the CPU as stored; ``wanted``'s values (meta tensors
