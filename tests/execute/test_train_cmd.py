@@ -161,3 +161,25 @@ def test_the_embedded_default_shows_the_loss_falling(tmp_path: Path, capsys: pyt
     assert summary["steps"] == 200
     # measured 5.44 -> 1.93; the margin: the last loss at most 60% of the first (bytes of Python source)
     assert summary["last_loss"] < 0.6 * summary["first_loss"], summary
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # a profile and a tuner's search before the run (about 25 s)
+def test_a_tuned_plan_trains_as_the_single_process_and_predicts_its_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "train.toml"
+    config.write_text(
+        "[model]\nworkload = 'llama-8'\nsequence = 16\nglobal_batch = 4\n[data]\nmax_bytes = 40000\n"
+        "[plan]\nschedule = 'tune'\nmicrobatches = 2\ntune_budget_s = 2.0\n[metrics]\ntensorboard = false\n"
+    )
+    assert main(["train", str(config), "--steps", "2", "--out", str(tmp_path / "out"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["predicted_step_ms"] > 0  # the tuner's profile predicts the steps it chose
+    loaded = load_train_config(config)
+    reference = workload_reference("llama-8", tiny=True, vocab=256, sequence=16, global_batch=4)
+    ref = reference_run(reference, num_microbatches=2, steps=2, optimization=loaded.optimization(2), data=loaded.data())
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows] == ref.losses
+    assert main(["train", str(config), "--torchrun"]) == EXIT_USAGE  # each rank would search on its own
+    assert "every rank would search on its own" in capsys.readouterr().err

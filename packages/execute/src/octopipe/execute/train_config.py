@@ -72,7 +72,13 @@ KEYS: dict[str, dict[str, tuple[type, Any, str]]] = {
     },
     "plan": {
         "file": (str, "", "a plan file to run (its model must be this config's); empty: make one"),
-        "schedule": (str, "zb-h1", "the schedule to make, on equal layer counts: 1f1b or zb-h1"),
+        "schedule": (
+            str,
+            "zb-h1",
+            "1f1b or zb-h1 on equal layer counts, or tune: profile this model's layers, then search partition x "
+            "placement x schedule (and predict each step)",
+        ),
+        "tune_budget_s": (float, 10.0, "the tuner's time budget (schedule = tune)"),
         "ranks": (int, 2, "pipeline ranks (local CPU processes)"),
         "microbatches": (int, 4, "micro-batches per step"),
     },

@@ -51,6 +51,11 @@ def _torchrun(args: argparse.Namespace, config: TrainConfig, steps: int, profile
     """This process's rank of the job in a torchrun launch; on rank 0, then the whole run's summary."""
     from octopipe.execute.runtime.job import gather_rank_results, prepare_job, summarize  # noqa: PLC0415
 
+    if config.section("plan")["schedule"] == "tune":
+        raise ValueError(
+            "[plan] schedule = 'tune' under --torchrun: every rank would search on its own; tune first "
+            "(octopipe profile, octopipe tune) and give the plan as [plan] file"
+        )
     started = time.monotonic()
     job = prepare_job(config, steps)
     options = dataclasses.replace(job.options, pin_cores=False)  # the launcher placed the processes

@@ -2,8 +2,9 @@
 per step (``metrics.jsonl`` and TensorBoard event files) and a summary out.
 
 ``prepare_job`` turns the config into what runs: the model (a zoo workload, a transformers checkpoint
-folder -- its weights loaded stage by stage --, or ``package.module:function``), the plan (a file, or
-1F1B / ZB-H1 on equal layer counts), and the run's options. ``train`` runs it on local CPU ranks and
+folder -- its weights loaded stage by stage --, or ``package.module:function``), the plan (a file,
+1F1B / ZB-H1 on equal layer counts, or the tuner's: the model's layers profiled, then partition x
+placement x schedule searched), and the run's options. ``train`` runs it on local CPU ranks and
 writes, per step: loss, learning rate, gradient norm, step time (first rank's start to last rank's end),
 tokens/s, MFU (the captured graphs' matmul and attention FLOPs over the step time and the ranks' peak),
 the measured bubble (the share of the step a rank's compute stream was idle, averaged over ranks) and
@@ -27,7 +28,7 @@ from octopipe.execute.runs import RunOptions, RunResult, StepTimeline
 from octopipe.execute.runtime.launcher import merge_results, run_local
 from octopipe.execute.runtime.measure import measured_step_times_us
 from octopipe.execute.runtime.models import build_model, workload_reference
-from octopipe.execute.runtime.pipeline import baseline_plan
+from octopipe.execute.runtime.pipeline import baseline_plan, profile_reference, tune_reference
 from octopipe.execute.runtime.pretrained import params_on_meta
 from octopipe.execute.train_config import TrainConfig
 from octopipe.execute.training import WeightsSpec
@@ -35,6 +36,7 @@ from octopipe.ir import load_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import Estimate, local_cost_model, simulate
+from octopipe.tune import TuneConfig
 
 __all__ = [
     "CAUSAL_LM_SOURCE",
@@ -59,6 +61,8 @@ class TrainJob:
     plan: plan_pb2.Plan
     options: RunOptions
     tokens_per_step: int
+    #: the profile a tuned plan was searched on (``[plan] schedule = "tune"``): its predictions come with it
+    profile: profile_pb2.Profile | None = None
 
 
 @dataclass
@@ -105,10 +109,18 @@ def prepare_job(config: TrainConfig, steps: int | None = None) -> TrainJob:
         raise ValueError(f"steps must be at least 1, got {steps}")
     plan_keys, run_keys, model = config.section("plan"), config.section("run"), config.section("model")
     reference = _reference(config)
+    profile = None
     if plan_keys["file"]:
         plan = load_plan(Path(plan_keys["file"]))
         if plan.model.SerializeToString(deterministic=True) != reference.SerializeToString(deterministic=True):
             raise ValueError(f"[plan] file {plan_keys['file']} names another model than [model]: make them agree")
+    elif plan_keys["schedule"] == "tune":  # this model's layers profiled here, then the tuner's search
+        ranks, m = plan_keys["ranks"], plan_keys["microbatches"]
+        profile = profile_reference(reference, num_microbatches=m, num_ranks=ranks)
+        search = TuneConfig(
+            num_ranks=ranks, num_microbatches=m, time_budget_s=plan_keys["tune_budget_s"], min_gain=0.05
+        )
+        plan = tune_reference(profile, search).plan
     else:
         plan = baseline_plan(
             reference,
@@ -130,7 +142,7 @@ def prepare_job(config: TrainConfig, steps: int | None = None) -> TrainJob:
         checkpoint_dir=run_keys["checkpoint_dir"],
         checkpoint_every=run_keys["checkpoint_every"],
     )
-    return TrainJob(plan=plan, options=options, tokens_per_step=int(inputs.numel()))
+    return TrainJob(plan=plan, options=options, tokens_per_step=int(inputs.numel()), profile=profile)
 
 
 def peak_gflops(seconds: float = 0.3, size: int = 512) -> float:
@@ -230,7 +242,7 @@ def train(
     started = time.monotonic()
     job = prepare_job(config, steps)
     result = run_local(job.plan, job.options, on_step=on_step)
-    return summarize(config, job, result, out, started=started, profile=profile)
+    return summarize(config, job, result, out, started=started, profile=profile or job.profile)
 
 
 def summarize(
