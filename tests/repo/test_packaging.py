@@ -23,6 +23,9 @@ IMPORT_TO_DIST = {
     "rich": "rich",
     "matplotlib": "matplotlib",
     "highspy": "highspy",
+    "safetensors": "safetensors",
+    "transformers": "transformers",
+    "tensorboardX": "tensorboardx",
 }
 
 
