@@ -43,7 +43,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from octopipe.execute.runtime import run_local
 from octopipe.execute.runtime.checkpoint import save_checkpoint
-from octopipe.execute.runtime.job import _write, peak_gflops, prepare_job, step_rows
+from octopipe.execute.runtime.job import peak_gflops, prepare_job, step_rows, write_metrics
 from octopipe.execute.runtime.measure import measured_step_times_us
 from octopipe.execute.runtime.pretrained import WeightSource
 from octopipe.execute.train_config import load_train_config
@@ -135,7 +135,7 @@ def metrics_overhead(rounds: int, steps: int, environment: Any) -> dict[str, Any
                 assert len(seen) == steps * len(result.timelines), "every rank reports every step"
                 started = time.perf_counter()
                 with tempfile.TemporaryDirectory() as folder:
-                    _write(step_rows(result, job, gflops), Path(folder), tensorboard=True)
+                    write_metrics(step_rows(result, job, gflops), Path(folder), tensorboard=True)
                 write_s.append((time.perf_counter() - started) / steps)
     with_feed, without = (step_summary(samples[k]) for k in ("with_feed", "without"))
     overhead = with_feed["median_ms"] / without["median_ms"] - 1.0

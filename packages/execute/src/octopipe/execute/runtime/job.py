@@ -48,6 +48,7 @@ __all__ = [
     "step_rows",
     "summarize",
     "train",
+    "write_metrics",
 ]
 
 #: the model source of a transformers checkpoint folder (``[model] hf``)
@@ -197,7 +198,8 @@ def step_rows(
     return rows
 
 
-def _write(rows: list[dict[str, Any]], out: Path, tensorboard: bool) -> tuple[Path, Path | None]:
+def write_metrics(rows: list[dict[str, Any]], out: Path, tensorboard: bool) -> tuple[Path, Path | None]:
+    """``out/metrics.jsonl`` and, with ``tensorboard``, event files under ``out/tensorboard``."""
     out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl"
     with metrics.open("w") as handle:
@@ -260,7 +262,7 @@ def summarize(
     predicted = simulate(job.plan, local_cost_model(job.plan, profile)).estimate if profile is not None else None
     first_end = max(steps_[0].end_ns for steps_ in result.timelines.values()) / 1e9
     rows = step_rows(result, job, gflops, predicted)
-    metrics, tensorboard = _write(rows, out, metrics_keys["tensorboard"])
+    metrics, tensorboard = write_metrics(rows, out, metrics_keys["tensorboard"])
     return TrainSummary(
         result=result,
         rows=rows,
