@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import random
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -103,6 +104,20 @@ def test_an_order_nccl_cannot_run_is_refused_before_any_rank_starts() -> None:
     assert time.monotonic() - started < 5  # refused statically: no rank was started
 
 
+def _outcome(call: Callable[[], None]) -> str:
+    """How a channel operation ended: "done", "timeout" (its own deadline passed), or "closed" (the peer's
+    deadline passed first: gloo closes a context's connections when one of its operations times out)."""
+    try:
+        call()
+    except CommTimeout:
+        return "timeout"
+    except RuntimeError as exc:
+        if "closed by peer" not in str(exc).lower() and "connection reset" not in str(exc).lower():
+            raise
+        return "closed"
+    return "done"
+
+
 def _strict_channels(rank: int, world: int, swap: bool) -> None:
     """Rank 0 sends F0 then F1 to rank 1; rank 1 posts its receives in order, or swapped."""
     program = compile_plan(one_f_one_b(2, 2))
@@ -120,26 +135,29 @@ def _strict_channels(rank: int, world: int, swap: bool) -> None:
     if rank == 0:
         for transfer in forward:
             channels.send(transfer, torch.full((4,), float(transfer)))
-        try:
-            channels.finish("rank 0")
-            assert not swap, "a send completed although the peer posted the other receive first"
-        except CommTimeout:
-            assert swap
-        # stay until rank 1 is done (its own deadline passed): leaving would close the connection it waits on,
-        # and under load rank 1 may start waiting seconds after this rank did
-        store.wait(["rank 1 done"], datetime.timedelta(seconds=60))
+        sent = _outcome(lambda: channels.finish("rank 0"))
+        # stay until rank 1 is done: leaving would close the connection it waits on
+        store.wait(["rank 1"], datetime.timedelta(seconds=60))
+        received = store.get("rank 1").decode()
+        if not swap:
+            assert (sent, received) == ("done", "done")
+        else:
+            # neither side completed anything, and the hang was detected by a deadline (whichever passed
+            # first; the other rank then sees its connection closed)
+            assert "done" not in (sent, received), (sent, received)
+            assert "timeout" in (sent, received), (sent, received)
         return
     order = forward[::-1] if swap else forward
     buffers = {t: channels.post_recv(t) for t in order}
+    outcome = "error"
     try:
-        channels.wait(order[0], "rank 1")
-        assert not swap, "the receive posted first completed although the peer sends the other message first"
-        channels.wait(order[1], "rank 1")
-        assert all(torch.equal(buffers[t], torch.full((4,), float(t))) for t in order)
-    except CommTimeout:
-        assert swap
+        outcome = _outcome(lambda: channels.wait(order[0], "rank 1"))
+        if outcome == "done":
+            assert not swap, "the receive posted first completed although the peer sends the other message first"
+            channels.wait(order[1], "rank 1")
+            assert all(torch.equal(buffers[t], torch.full((4,), float(t))) for t in order)
     finally:
-        store.set("rank 1 done", "1")
+        store.set("rank 1", outcome)
 
 
 @pytest.mark.parametrize("swap", [False, True], ids=["in-order", "swapped"])
