@@ -84,8 +84,10 @@ def mesh_plans(workload: str, *, ep: int) -> list[plan_pb2.Plan]:
     return out
 
 
-def assert_matches_reference(plans: Sequence[plan_pb2.Plan], runs: Sequence[RunResult]) -> None:
-    ref = reference_run(plans[0].model, num_microbatches=M * DP, steps=3)
+def assert_matches_reference(
+    plans: Sequence[plan_pb2.Plan], runs: Sequence[RunResult], *, dp: int = DP, m: int = M
+) -> None:
+    ref = reference_run(plans[0].model, num_microbatches=m * dp, steps=3)
     for plan, run in zip(plans, runs, strict=True):
         assert run.losses == pytest.approx(ref.losses, rel=1e-6), plan.name
         for what, expected, actual in (("grad", ref.grads, run.grads), ("param", ref.params, run.params)):
@@ -97,9 +99,9 @@ def assert_matches_reference(plans: Sequence[plan_pb2.Plan], runs: Sequence[RunR
                     value,
                     msg=lambda m, n=name, w=what, p=plan.name: f"{p}: {w} {n}: {m}",  # type: ignore[misc]
                 )
-        assert sorted(run.timelines) == [0, 1, 2, 3]  # one process per (pipeline rank, replica)
+        assert sorted(run.timelines) == list(range(len(plan.ranks) * dp))  # one process per (pipeline rank, replica)
         for rank, steps in run.timelines.items():
-            pipeline_rank = rank // DP  # global rank p * dp + d (no rank map)
+            pipeline_rank = rank // dp  # global rank p * dp + d (no rank map)
             done = [r.action for r in steps[0].records]
             assert done == [str(a) for a in rank_actions(plan)[pipeline_rank]]
             assert any("UNSHARD" in a for a in done) and any("REDUCE_GRAD" in a for a in done)

@@ -17,10 +17,20 @@ import operator
 import pytest
 import torch
 from torch import fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from octopipe.capture import StageGraphs, split_model
+from octopipe.capture import StageGraphs, capture_stage, split_model
 from octopipe.examples.models import DecoderLM, ModelConfig, llama
-from octopipe.transform import ShardConfig, compile_fsdp_stage, shard_parameters, split_fsdp, unshard_tensor
+from octopipe.transform import (
+    BucketPolicy,
+    ShardConfig,
+    bucket_collectives,
+    compile_fsdp_stage,
+    count_collectives,
+    shard_parameters,
+    split_fsdp,
+    unshard_tensor,
+)
 from tests.transform.gloo import default_group, run_ranks
 
 CASES = {
@@ -101,12 +111,64 @@ def _check_case(rank: int, world: int, case: str) -> None:
         torch.testing.assert_close(full_grad, expected_full, msg=lambda m, n=name: f"{n}: {m}")  # type: ignore[misc]
 
 
+class _CountCollectives(TorchDispatchMode):
+    """Counts the functional collectives issued under it, by kind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = str(func.overloadpacket.__name__)
+        if name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _check_buckets(rank: int, world: int, case: str) -> None:
+    """Bucketed UNSHARD / REDUCE_GRAD issue one collective per bucket and equal the per-parameter ones bitwise."""
+    build, config = CASES[case]
+    torch.manual_seed(0)
+    model = build()
+    names = model.pipeline_layers()
+    stage = split_model(model, [names[:1], names[1:-1], names[-1:]])[1]
+    shard_parameters(stage, default_group(), config=config)
+    dtype = config.param_dtype or torch.float32
+    x = torch.randn(2, 8, model.config.hidden, generator=torch.Generator().manual_seed(3)).to(dtype)
+    plain = split_fsdp(capture_stage(stage, [x], stage_index=1))  # one collective per parameter
+    shards = [dict(stage.named_parameters())[n] for n in plain.stage.param_names]
+    params = len(shards)
+    assert count_collectives(plain.unshard) == {"all_gather": params, "reduce_scatter": 0}
+    assert count_collectives(plain.reduce_grad) == {"all_gather": 0, "reduce_scatter": params}
+    shard_bytes = sum(s.numel() * dtype.itemsize for s in shards)
+    for policy, buckets in [(BucketPolicy(), 1), (BucketPolicy(bucket_bytes=shard_bytes // 2), None)]:
+        bucketed = bucket_collectives(plain, policy)
+        expected = [*plain.unshard(*shards)]
+        with _CountCollectives() as counter:
+            got = [*bucketed.unshard(*shards)]
+        gathers = count_collectives(bucketed.unshard)["all_gather"]
+        assert counter.counts == {"all_gather_into_tensor": gathers}  # what ran is what the graph holds
+        assert gathers == buckets if buckets is not None else 1 < gathers < params
+        assert all(torch.equal(a, b) and a.shape == b.shape for a, b in zip(got, expected, strict=True))
+        generator = torch.Generator().manual_seed(20 + rank)
+        grads = [torch.randn(p.shape, generator=generator, dtype=config.reduce_dtype or p.dtype) for p in expected]
+        expected_grads = [*plain.reduce_grad(*grads)]
+        with _CountCollectives() as counter:
+            got_grads = [*bucketed.reduce_grad(*grads)]
+        scatters = count_collectives(bucketed.reduce_grad)["reduce_scatter"]
+        assert counter.counts == {"reduce_scatter_tensor": scatters}
+        assert scatters == buckets if buckets is not None else 1 < scatters <= params
+        # two ranks: every element is the same sum of two values, so bitwise
+        assert all(torch.equal(a, b) for a, b in zip(got_grads, expected_grads, strict=True))
+
+
 def _both_cases(rank: int, world: int) -> None:
     for case in CASES:
         _check_case(rank, world, case)
+        _check_buckets(rank, world, case)
 
 
-def test_unshard_f_b_w_reduce_grad_match_fully_shard_on_two_ranks() -> None:
+def test_unshard_f_b_w_reduce_grad_match_fully_shard_on_two_ranks_and_bucketing_changes_no_bit() -> None:
     run_ranks(_both_cases, 2)
 
 

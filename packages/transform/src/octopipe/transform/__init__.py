@@ -28,6 +28,7 @@ from octopipe.transform.costs import (
 from octopipe.transform.device import CPU, Device, DeviceError, GpuInfo, Stopwatch, visible_gpus
 from octopipe.transform.executable import ForwardContext, StageExecutable, WeightContext
 from octopipe.transform.fsdp import ShardConfig, ShardSpec, shard_parameters, shard_specs, unshard_tensor
+from octopipe.transform.fsdp_bucket import BucketPolicy, bucket_collectives, count_collectives
 from octopipe.transform.fsdp_split import NOT_HANDLED, FSDPGraphs, FSDPStage, ParamChain, split_fsdp
 from octopipe.transform.multiplexing import CommOverlap, Multiplexed, OverlapReport, Simulation, multiplex, simulate
 from octopipe.transform.overlap import OverlapResult, OverlapStage
@@ -44,6 +45,7 @@ __all__ = [
     "AllocatorPeak",
     "BWSplit",
     "BackwardKind",
+    "BucketPolicy",
     "CommOverlap",
     "CompiledStage",
     "CostModel",
@@ -69,9 +71,11 @@ __all__ = [
     "Stopwatch",
     "WeightContext",
     "__version__",
+    "bucket_collectives",
     "comm_bytes",
     "compile_fsdp_stage",
     "compile_stage",
+    "count_collectives",
     "format_profile",
     "graph_flops",
     "measure_compute_us",

@@ -25,6 +25,7 @@ from octopipe.capture import CaptureConfig, StageGraphs, capture_stage
 from octopipe.transform.bw_split import BWSplit, split_backward
 from octopipe.transform.costs import roofline_costs
 from octopipe.transform.executable import StageExecutable
+from octopipe.transform.fsdp_bucket import BucketPolicy, bucket_collectives
 from octopipe.transform.fsdp_split import FSDPGraphs, FSDPStage, split_fsdp
 from octopipe.transform.multiplexing import Multiplexed, multiplex
 from octopipe.transform.overlap import OverlapStage
@@ -77,6 +78,8 @@ class StageCompiler:
     """
 
     config: CaptureConfig | None = None
+    #: how a sharded stage's collectives are bucketed (default: one all-gather and one reduce-scatter per stage)
+    buckets: BucketPolicy = field(default_factory=BucketPolicy)
     _stages: dict[Hashable, CompiledStage] = field(default_factory=dict, repr=False)
     _multiplexed: dict[tuple[int, int, str], tuple[StageGraphs, StageGraphs, Multiplexed]] = field(
         default_factory=dict, repr=False
@@ -99,14 +102,15 @@ class StageCompiler:
         """Capture ``stage`` on ``inputs`` and run the passes; reuse the result for a key seen before.
 
         ``sharded``: the stage's parameters are FSDP shards (``shard_parameters``): the capture
-        holds their all-gathers and reduce-scatters, split out here as UNSHARD and REDUCE_GRAD.
+        holds their all-gathers and reduce-scatters, split out here as UNSHARD and REDUCE_GRAD and
+        bucketed by ``buckets``.
         Without ``key`` nothing is cached.
         """
         cache_key = (key, sharded) if key is not None else None
         if cache_key is not None and cache_key in self._stages:
             return self._stages[cache_key]
         graphs = capture_stage(stage, list(inputs), config=self.config, stage_index=stage_index)
-        fsdp = split_fsdp(graphs) if sharded else None
+        fsdp = bucket_collectives(split_fsdp(graphs), self.buckets) if sharded else None
         runs = fsdp.stage if fsdp is not None else graphs
         split = split_backward(runs.backward, num_params=runs.num_params, num_inputs=runs.num_inputs)
         compiled = CompiledStage(graphs=runs, split=split, fsdp=fsdp)

@@ -24,9 +24,13 @@ data-parallel group, see :mod:`octopipe.execute.runtime.mesh`) has no
 parameters to compute with until its UNSHARD action gathers them, every step;
 RESHARD drops the gathered parameters; REDUCE_GRAD turns the full gradients
 accumulated so far into this rank's shard gradients, once per step, after the
-stage's last backward. That every computation has its input, its UNSHARD and
-its place before REDUCE_GRAD is guaranteed by the program compiler; here those
-are assertions, not checks.
+stage's last backward. UNSHARD and REDUCE_GRAD run on the rank's collective
+stream (:class:`~octopipe.execute.runtime.collective_stream.CollectiveStream`),
+as the program says: posted where they stand, in order, beside the compute; the
+first computation of a stage waits for its UNSHARD, and the step ends when
+every REDUCE_GRAD has completed. That every computation has its input, its
+UNSHARD and its place before REDUCE_GRAD is guaranteed by the program
+compiler; here those are assertions, not checks.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch
 
 from octopipe.capture import StageGraphs
 from octopipe.execute.runs import ActionRecord
+from octopipe.execute.runtime.collective_stream import CollectiveStream, CollectiveTimes, Pending
 from octopipe.execute.runtime.comm import Channels
 from octopipe.execute.runtime.precision import GRAD_DTYPE
 from octopipe.ir import Action, ActionKind
@@ -179,6 +184,17 @@ class RankRuntime:
         self.zero_grads()
         self._overlaps: dict[tuple[int, int, ActionKind], tuple[StageExecutable, StageExecutable, OverlapStage]] = {}
         self._reduced: set[int] = set()
+        #: the rank's collective stream (only with sharded stages), and what is posted on it and not yet waited for
+        self.collectives = (
+            CollectiveStream(timeout_s=channels.timeout_s, aborted=channels.aborted, device=channels.device)
+            if self.sharded
+            else None
+        )
+        self._gathering: dict[int, Pending[StageExecutable]] = {}
+        self._reducing: dict[int, Pending[list[torch.Tensor | None]]] = {}
+        self._posted: dict[int, Pending[object]] = {}
+        #: the last step's collectives as they ran on the stream, by action index
+        self.collective_times: dict[int, CollectiveTimes] = {}
         self._multiplex_pairs()
 
     def _multiplex_pairs(self) -> None:
@@ -206,7 +222,17 @@ class RankRuntime:
             (s, i): [None] * self.m for s, indices in self.per_microbatch.items() for i in sorted(indices)
         }
 
+    def close(self) -> None:
+        """Stop the channel and collective threads (after the last step, before the groups are destroyed)."""
+        self.channels.close()
+        if self.collectives is not None:
+            self.collectives.close()
+
     def _exe(self, stage: int) -> StageExecutable:
+        gathering = self._gathering.pop(stage, None)
+        if gathering is not None:  # the stage's first computation since its UNSHARD: wait for the gather
+            self.stages[stage] = gathering.wait(f"rank {self.rank}: stage {stage} waiting for its UNSHARD")
+            self._restatic()
         exe = self.stages.get(stage)
         assert exe is not None, f"stage {stage} computes without its parameters (compile_plan requires its UNSHARD)"
         return exe
@@ -246,14 +272,18 @@ class RankRuntime:
         for stage in self.sharded:  # last step's gathered parameters are stale after the optimizer step
             self._drop_gathered(stage)
         self._reduced.clear()
+        self._posted = {}
         self._restatic()
         codes = self.program.codes[self.rank]
         for index, action in enumerate(self.actions):
-            start = watch.mark() if on_action is not None else 0
             try:
-                if codes[index] <= OVERLAP:  # a computation first waits for the transfers it consumes
+                if codes[index] <= OVERLAP:  # a computation first waits for the transfers and gathers it consumes
                     for transfer in self.program.transfers_waited(self.rank, index):
                         self.channels.wait(transfer, f"rank {self.rank}, step {step} ({action})")
+                    for part in action.computations:
+                        if part.stage in self._gathering:
+                            self._exe(part.stage)
+                start = watch.mark() if on_action is not None else 0  # the action's own work starts here
                 self._run(index, action, state, microbatches)
                 if on_action is not None:
                     end = watch.mark()
@@ -263,6 +293,7 @@ class RankRuntime:
             except Exception as exc:
                 raise StepFailure(f"rank {self.rank}, step {step}, action {index} ({action}): {exc}") from exc
         self.channels.finish(f"rank {self.rank}, step {step}, end of step")
+        self._drain(step)
         # the program compiler guarantees both: every I has its W, every sharded stage its REDUCE_GRAD
         assert all(c.tensors is None for c in state.weight_ctx.values()), "a W never ran"
         assert all(s in self._reduced for s in self.sharded), "a sharded stage never ran REDUCE_GRAD"
@@ -371,7 +402,7 @@ class RankRuntime:
             self._overlap(action, state, microbatches)
             return
         if kind in (ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD):
-            self._collective(kind, s)
+            self._collective(index, kind, s)
             return
         assert mb is not None
         key = (s, mb)
@@ -404,28 +435,47 @@ class RankRuntime:
             received = self.channels.post_recv_all(self.program.transfer_of[self.rank][index])
             state.output_grads[key] = self._received_grads(s, received)
 
-    def _collective(self, kind: ActionKind, stage: int) -> None:
-        """UNSHARD, RESHARD, REDUCE_GRAD; no-ops on a stage that is not sharded (dp = 1)."""
+    def _collective(self, index: int, kind: ActionKind, stage: int) -> None:
+        """UNSHARD and REDUCE_GRAD are posted on the collective stream; RESHARD drops the gathered parameters.
+        No-ops on a stage that is not sharded (dp = 1)."""
         sharded = self.sharded.get(stage)
         if sharded is None:
             return
+        assert self.collectives is not None
         if kind is ActionKind.UNSHARD:
-            assert stage not in self.stages, f"stage {stage} unsharded twice"
-            self.stages[stage] = sharded.unshard()
+            assert stage not in self.stages and stage not in self._gathering, f"stage {stage} unsharded twice"
+            self._gathering[stage] = self.collectives.submit(f"UNSHARD of stage {stage}", sharded.unshard)
+            self._posted[index] = self._gathering[stage]  # type: ignore[assignment]
         elif kind is ActionKind.RESHARD:
+            if stage in self._gathering:  # gathered for nothing: let the gather end before dropping it
+                self._exe(stage)
             self._drop_gathered(stage)
         else:
             assert stage not in self._reduced, f"stage {stage} reduced twice"
-            reduced = sharded.reduce_grad(self.grads[stage])
+            grads = self.grads[stage]  # nothing of the stage computes after its REDUCE_GRAD (compile_plan)
+            self._reducing[stage] = self.collectives.submit(
+                f"REDUCE_GRAD of stage {stage}", lambda: sharded.reduce_grad(grads)
+            )
+            self._posted[index] = self._reducing[stage]  # type: ignore[assignment]
+            self._reduced.add(stage)
+        self._restatic()
+
+    def _drain(self, step: int) -> None:
+        """The end of the step: every posted collective has completed; reduced gradients replace the full ones."""
+        for stage in list(self._gathering):
+            self._exe(stage)
+        for stage, pending in sorted(self._reducing.items()):
+            reduced = pending.wait(f"rank {self.rank}, step {step}, end of step")
             wrong = {str(g.dtype) for g in reduced if g is not None and g.dtype != GRAD_DTYPE}
             if wrong:  # mixed precision reduces in float32 (runtime.precision): never silently in bf16
                 raise RuntimeError(f"stage {stage}'s gradients were reduced in {sorted(wrong)}, not float32")
             self.grads[stage] = reduced
-            self._reduced.add(stage)
-        self._restatic()
+        self._reducing.clear()
+        self.collective_times = {index: pending.times for index, pending in self._posted.items()}
 
     def _drop_gathered(self, stage: int) -> None:
         """Forget a sharded stage's gathered parameters (and multiplexed graphs bound to them), so they can be freed."""
         self.stages.pop(stage, None)
+        self._gathering.pop(stage, None)
         for key in [k for k in self._overlaps if stage in k[:2]]:
             del self._overlaps[key]

@@ -33,6 +33,7 @@ from octopipe.capture import StageModule
 from octopipe.execute.processes import die_with_parent
 from octopipe.execute.runs import ABORT_KEY, PLAN_KEY, ActionRecord, StepTimeline, WorkerConfig, same_layout
 from octopipe.execute.runtime.checkpoint import load_checkpoint, save_checkpoint
+from octopipe.execute.runtime.collective_stream import collective_records
 from octopipe.execute.runtime.comm import Channels, channel_groups, program_channels
 from octopipe.execute.runtime.data import with_data
 from octopipe.execute.runtime.interpreter import RankRuntime
@@ -307,7 +308,7 @@ def _run_plan(
             switched = _next_plan(store, rank, switches, plan, device)
             if switched is not None:  # a newer plan (same layout) from the closed loop, from this step on
                 plan, switches = switched, switches + 1
-                runtime.channels.close()
+                runtime.close()
                 runtime = make_runtime(plan)
         dist.barrier()  # ranks start each step together, so measured timelines line up
         watch = device.stopwatch()  # the step's times on the device: CUDA events on a GPU
@@ -338,6 +339,7 @@ def _run_plan(
             replace(r, start_ns=times[a], end_ns=times[b], host_start_ns=r.start_ns, host_end_ns=r.end_ns)
             for r, (a, b) in zip(recorder.records, runtime.action_marks, strict=True)
         )
+        records = collective_records(records, runtime.collective_times)
         if loss is not None:
             losses.append(float(loss))
         saved = None
@@ -370,7 +372,7 @@ def _run_plan(
         if rank == 0:
             finish_export(config.weights.export, config.world_size, source)
     memory = _measure_memory(config, built, runtime, stages, mine, optimizer, device) if config.measure_memory else None
-    runtime.channels.close()
+    runtime.close()
     return {
         "memory": memory,
         "param_bytes": param_bytes,
