@@ -1,15 +1,19 @@
 """Data parallelism, pp=1 x dp=2: octopipe's FSDP (the plan's UNSHARD / REDUCE_GRAD actions) against torch's
 FSDP2 (``fully_shard`` on every pipeline layer and the root, its default prefetching) on the same model,
-global batch and micro-batches. The baseline figure of the FSDP-overlap issue (19), taken before it.
+global batch and micro-batches. The FSDP-overlap issue's (19) figure; its baseline, taken before its work
+(one collective per parameter, blocking), is in ``results/fsdp_vs_torch_before.json``.
 
 Both sides: 2 processes on 2 distinct cores (checked), gloo on 127.0.0.1, one thread each, AdamW, the
 workload's standard sizes (shared/benchmarks.md), ``--microbatches`` micro-batches per replica with the
 gradients reduced once per step (FSDP2: ``set_requires_gradient_sync(False)`` on all but the last
 micro-batch's backward, as octopipe's REDUCE_GRAD after the last backward). octopipe runs 1F1B on one
 pipeline rank per replica with ``with_collectives``' default placement (the stage's UNSHARD prefetched at
-the start, REDUCE_GRAD after its last backward): it holds the whole unsharded model through the step, so
-FSDP2 also runs with ``reshard_after_forward=False`` ("fsdp2-keep", the same memory policy) beside its
-default (reshard after forward, gather again for backward). Interleaved rounds; the first step of each launch is
+the start, REDUCE_GRAD after its last backward; one bucketed all-gather and reduce-scatter each, on the
+rank's collective stream): it holds the whole unsharded model through the step, so FSDP2 also runs with
+``reshard_after_forward=False`` ("fsdp2-keep", the same memory policy) beside its default (reshard after
+forward, gather again for backward). "octopipe-chunks" puts the layers in ``--chunks`` stages on the rank
+(interleaved 1F1B, every UNSHARD prefetched): stage k+1's gather and stage k's reduce-scatter run under the
+other stages' compute, as FSDP2's per-layer prefetch. Interleaved rounds; the first step of each launch is
 warm-up; medians and p10-p90 of the other steps. A step is timed as octopipe times its steps: from the
 ranks' common start to the gradients reduced on every rank (the optimizer step is outside, on both sides).
 
@@ -39,16 +43,19 @@ from octopipe.execute.runtime import build_model, measured_step_times_us, run_lo
 from octopipe.execute.runtime.mesh import replica_batch
 from octopipe.ir import with_collectives
 from octopipe.plan.v1 import plan_pb2
-from octopipe.tune import one_f_one_b
+from octopipe.tune import equal_partition, interleaved_1f1b, one_f_one_b
 
 OUT = Path(__file__).parent / "results" / "fsdp_vs_torch.json"
 DP = 2
 
 
-def octopipe_plan(workload: str, microbatches: int) -> plan_pb2.Plan:
+def octopipe_plan(workload: str, microbatches: int, chunks: int = 1) -> plan_pb2.Plan:
     reference = workload_reference(workload)
     names = list(build_model(reference).model.pipeline_layers())  # type: ignore[operator]
-    plan = one_f_one_b(1, microbatches, layer_names=[names])
+    if chunks == 1:
+        plan = one_f_one_b(1, microbatches, layer_names=[names])
+    else:
+        plan = interleaved_1f1b(1, chunks, microbatches, layer_names=equal_partition(names, chunks))
     plan.model.CopyFrom(reference)
     plan.mesh.dp = DP
     return with_collectives(plan)
@@ -99,17 +106,21 @@ def main() -> None:
     add_arguments(parser, rounds=3, steps=4)
     parser.add_argument("--workloads", nargs="+", default=["llama-8", "moe-ep-4"])
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--chunks", type=int, default=4, help="stages on the rank in the octopipe-chunks arm")
     args = parser.parse_args()
     environment = start(parser, args)
     record: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "workloads": {}}
     for workload in args.workloads:
-        plan = octopipe_plan(workload, args.microbatches)
-        arms = ("octopipe", "fsdp2", "fsdp2-keep")
+        plans = {
+            "octopipe": octopipe_plan(workload, args.microbatches),
+            "octopipe-chunks": octopipe_plan(workload, args.microbatches, args.chunks),
+        }
+        arms = ("octopipe", "octopipe-chunks", "fsdp2", "fsdp2-keep")
         samples: dict[str, list[float]] = {arm: [] for arm in arms}
         for round_ in range(args.rounds):
             for arm in arms if round_ % 2 == 0 else arms[::-1]:
-                if arm == "octopipe":
-                    result = run_local(plan, RunOptions(steps=args.steps, timeout_s=300))
+                if arm in plans:
+                    result = run_local(plans[arm], RunOptions(steps=args.steps, timeout_s=300))
                     samples[arm] += measured_step_times_us(result)[1:]
                     environment.record(result.cores)
                 else:
@@ -119,16 +130,19 @@ def main() -> None:
                     samples[arm] += times
                     environment.record(cores)
         figures = {arm: step_summary(samples[arm]) for arm in arms}
-        ours, theirs, keep = figures["octopipe"], figures["fsdp2"], figures["fsdp2-keep"]
-        ratio = ours["median_ms"] / theirs["median_ms"]
-        record["workloads"][workload] = {**figures, "ratio": ratio, "ratio_keep": ours["median_ms"] / keep["median_ms"]}
-        record["workloads"][workload]["plan"] = plan.name
-        print(
-            f"{workload:>10}: octopipe {ours['median_ms']:.0f} ms [{ours['p10_ms']:.0f}, {ours['p90_ms']:.0f}], "
-            f"FSDP2 {theirs['median_ms']:.0f} ms [{theirs['p10_ms']:.0f}, {theirs['p90_ms']:.0f}] "
-            f"(unsharded after forward kept: {keep['median_ms']:.0f} ms): {ratio:.2f}x FSDP2's default step "
-            f"(goal <= 1.0x), {record['workloads'][workload]['ratio_keep']:.2f}x the kept one"
-        )
+        theirs, keep = figures["fsdp2"], figures["fsdp2-keep"]
+        entry: dict[str, Any] = {**figures, "plans": {arm: plan.name for arm, plan in plans.items()}}
+        for arm in plans:
+            ours = figures[arm]
+            entry[f"{arm} ratio"] = ours["median_ms"] / theirs["median_ms"]
+            entry[f"{arm} ratio_keep"] = ours["median_ms"] / keep["median_ms"]
+            print(
+                f"{workload:>10} {arm:>15}: {ours['median_ms']:.0f} ms [{ours['p10_ms']:.0f}, {ours['p90_ms']:.0f}], "
+                f"FSDP2 {theirs['median_ms']:.0f} ms [{theirs['p10_ms']:.0f}, {theirs['p90_ms']:.0f}] "
+                f"(unsharded after forward kept: {keep['median_ms']:.0f} ms): {entry[f'{arm} ratio']:.2f}x FSDP2's "
+                f"default step (goal <= 1.0x), {entry[f'{arm} ratio_keep']:.2f}x the kept one"
+            )
+        record["workloads"][workload] = entry
     record["environment"] = environment.finish()
     write_record(OUT, record)
 

@@ -22,6 +22,7 @@ from octopipe.simulate import (
     all_gather_us,
     all_reduce_us,
     all_to_all_us,
+    bucketed_us,
     build_plan,
     reduce_scatter_us,
     simulate,
@@ -94,6 +95,24 @@ def test_ring_formulas() -> None:
     assert all_gather_us(link, 1, 1000) == 0.0
     with pytest.raises(ValueError, match="at least one rank"):
         all_gather_us(link, 0, 1)
+
+
+def test_buckets_pay_the_latency_once_each() -> None:
+    link = Link(latency_us=2.0, bandwidth_bytes_per_second=1e9)
+    one = all_gather_us(link, 4, 4000)
+    assert bucketed_us(all_gather_us, link, 4, 4000, None) == one
+    assert bucketed_us(all_gather_us, link, 4, 4000, 1000) == one  # 1000 B per rank: one bucket
+    # 250 B per rank: 4 buckets of 1000 B: the same 3 us of bandwidth, 4 x 3 hops x 2 us
+    assert bucketed_us(reduce_scatter_us, link, 4, 4000, 250) == pytest.approx(3.0 + 4 * 6.0)
+    stage = StageCost(
+        forward_us=1, backward_input_us=1, backward_weight_us=1, parameter_bytes=4000, gradient_bytes=4000
+    )
+    links = GroupLinks(data_parallel=link)
+    plain = simulate(one_rank(HAND, dp=4), CostModel(stages=(stage,), collectives=links))
+    cut = simulate(one_rank(HAND, dp=4), CostModel(stages=(stage,), collectives=links, bucket_bytes=250))
+    assert cut.estimate.step_time_us - plain.estimate.step_time_us == pytest.approx(2 * 3 * 6.0)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        CostModel(stages=(stage,), bucket_bytes=0)
 
 
 def one_rank(actions: str, *, dp: int, ep: int = 1, microbatches: int = 2) -> plan_pb2.Plan:

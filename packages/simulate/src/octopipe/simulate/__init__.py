@@ -37,7 +37,14 @@ from octopipe.ir.errors import (
     VerificationError,
 )
 from octopipe.simulate.calibrate import Calibration, calibrate_profile, fit_link_latency, with_link_latency
-from octopipe.simulate.collectives import GroupLinks, all_gather_us, all_reduce_us, all_to_all_us, reduce_scatter_us
+from octopipe.simulate.collectives import (
+    GroupLinks,
+    all_gather_us,
+    all_reduce_us,
+    all_to_all_us,
+    bucketed_us,
+    reduce_scatter_us,
+)
 from octopipe.simulate.costs import (
     CostModel,
     Link,
@@ -50,6 +57,7 @@ from octopipe.simulate.costs import (
     tied_exchanges,
 )
 from octopipe.simulate.estimate import Estimate, PathStep, RankEstimate
+from octopipe.simulate.exposure import exposed_collective_us
 from octopipe.simulate.local import LOCAL_GLOO_LINK, local_cost_model, local_link
 from octopipe.simulate.profiles import uniform_profile
 from octopipe.simulate.simulator import ActionTiming, Simulation, SimulationConfig, simulate, verify_plan
@@ -89,9 +97,11 @@ __all__ = [
     "all_gather_us",
     "all_reduce_us",
     "all_to_all_us",
+    "bucketed_us",
     "build_plan",
     "calibrate_profile",
     "durations_from_timelines",
+    "exposed_collective_us",
     "fit_link_latency",
     "format_action",
     "format_grid",

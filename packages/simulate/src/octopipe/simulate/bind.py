@@ -46,7 +46,7 @@ from octopipe.ir.program import (
     Program,
     W,
 )
-from octopipe.simulate.collectives import all_gather_us, all_to_all_us, reduce_scatter_us
+from octopipe.simulate.collectives import all_gather_us, all_to_all_us, bucketed_us, reduce_scatter_us
 from octopipe.simulate.costs import CostModel, StageCost
 
 __all__ = ["Bound", "bind"]
@@ -222,6 +222,7 @@ def _mesh_durations(program: Program, costs: CostModel, table: dict[tuple[int, i
     links = costs.collectives
     assert links is not None
     measured = costs.durations_us
+    buckets = costs.bucket_bytes
     a2a = [0.0] * program.num_stages
     for stage, rank in enumerate(program.placement):
         cost = costs.stages[stage]
@@ -232,12 +233,13 @@ def _mesh_durations(program: Program, costs: CostModel, table: dict[tuple[int, i
             if (stage, ActionKind.UNSHARD) not in measured:
                 held = _held(cost)
                 expert = _expert_part(cost, held) if ep > 1 else 0
-                table[stage, UNSHARD] = all_gather_us(dense_link, dp, held - expert)
+                table[stage, UNSHARD] = bucketed_us(all_gather_us, dense_link, dp, held - expert, buckets)
                 if expert:
                     table[stage, UNSHARD] += all_gather_us(expert_link, dp // ep, -(-expert // ep))
             if (stage, ActionKind.REDUCE_GRAD) not in measured:
                 expert = _expert_part(cost, cost.gradient_bytes) if ep > 1 else 0
-                table[stage, REDUCE_GRAD] = reduce_scatter_us(dense_link, dp, cost.gradient_bytes - expert)
+                dense = cost.gradient_bytes - expert
+                table[stage, REDUCE_GRAD] = bucketed_us(reduce_scatter_us, dense_link, dp, dense, buckets)
                 if expert:
                     table[stage, REDUCE_GRAD] += reduce_scatter_us(expert_link, dp // ep, -(-expert // ep))
         if program.ep > 1 and cost.all_to_all_bytes:

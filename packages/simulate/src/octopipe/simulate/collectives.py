@@ -18,13 +18,14 @@ all of them, as a Profile's ``CollectiveCost`` entries give them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate.links import Link
 
-__all__ = ["GroupLinks", "all_gather_us", "all_reduce_us", "all_to_all_us", "reduce_scatter_us"]
+__all__ = ["GroupLinks", "all_gather_us", "all_reduce_us", "all_to_all_us", "bucketed_us", "reduce_scatter_us"]
 
 
 def _ring_us(link: Link, group_size: int, num_bytes: int) -> float:
@@ -46,6 +47,24 @@ def all_gather_us(link: Link, group_size: int, num_bytes: int) -> float:
 def reduce_scatter_us(link: Link, group_size: int, num_bytes: int) -> float:
     """Ring reduce-scatter of a ``num_bytes`` tensor over ``group_size`` ranks: same as the all-gather."""
     return _ring_us(link, group_size, num_bytes)
+
+
+def bucketed_us(
+    formula: Callable[[Link, int, int], float],
+    link: Link,
+    group_size: int,
+    num_bytes: int,
+    bucket_bytes: int | None,
+) -> float:
+    """``formula`` run once per bucket, one after the other: ``num_bytes`` (the whole tensor) cut into
+    ``k = ceil(num_bytes / group_size / bucket_bytes)`` equal buckets of at most ``bucket_bytes`` per rank
+    (None: one bucket): the same bandwidth term, ``k`` times the latency."""
+    if bucket_bytes is None or num_bytes == 0:
+        return formula(link, group_size, num_bytes)
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1 (or None for one bucket), got {bucket_bytes}")
+    count = max(1, math.ceil(num_bytes / group_size / bucket_bytes))
+    return count * formula(link, group_size, math.ceil(num_bytes / count))
 
 
 def all_reduce_us(link: Link, group_size: int, num_bytes: int) -> float:

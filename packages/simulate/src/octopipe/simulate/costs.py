@@ -218,8 +218,10 @@ class CostModel:
     the collectives of plans with a mesh: with it, and dp > 1, UNSHARD is a
     ring all-gather of the stage's unsharded bytes and REDUCE_GRAD a ring
     reduce-scatter (all-reduce for a stage without UNSHARD) of its gradient
-    bytes over the data-parallel group; with ep > 1 the stage's all-to-alls
-    are added to F, I and B. Measured ``durations_us`` still win. Without it
+    bytes over the data-parallel group, once per bucket of ``bucket_bytes``
+    per rank (None: one collective per stage, the runtime's default
+    ``BucketPolicy``); with ep > 1 the stage's all-to-alls are added to F, I
+    and B. Measured ``durations_us`` still win. Without it
     (or without a mesh) the StageCost's ``unshard_us`` / ``reduce_grad_us``
     apply, as before.
 
@@ -235,6 +237,7 @@ class CostModel:
     fused_us: Mapping[tuple[int, int], float] = field(default_factory=dict)
     microbatch_size: int = 1
     collectives: GroupLinks | None = None
+    bucket_bytes: int | None = None
     tied: tuple[TiedExchange, ...] = ()
 
     def __post_init__(self) -> None:
@@ -245,6 +248,10 @@ class CostModel:
                 raise ValueError(f"TiedExchange {exchange.name!r}: stage {exchange.stages[-1]} is not in the model")
         if self.microbatch_size < 1:
             raise ValueError(f"CostModel.microbatch_size must be >= 1, got {self.microbatch_size}")
+        if self.bucket_bytes is not None and self.bucket_bytes < 1:
+            raise ValueError(
+                f"CostModel.bucket_bytes must be >= 1 (or None: one bucket per stage), got {self.bucket_bytes}"
+            )
         for (stage, kind), value in self.durations_us.items():
             if kind not in _TIMED_KINDS:
                 raise ValueError(
