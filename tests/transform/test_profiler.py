@@ -98,3 +98,25 @@ def test_graph_flops_counts_each_matmul_of_forward_and_backward() -> None:
     graphs = capture_stage(stage, [torch.randn(4, 16, requires_grad=True)], stage_index=0)
     assert graph_flops(graphs.forward) == 2 * 4 * 16 * 8
     assert graph_flops(graphs.backward) == 2 * (2 * 4 * 16 * 8)
+
+
+def test_moe_layers_report_their_experts_for_the_mesh_search() -> None:
+    """A MoE layer's experts, their bytes and the dispatch + combine all-to-all bytes of one forward."""
+    from octopipe.examples.models import MoE, moe_decoder
+
+    torch.manual_seed(0)
+    model = moe_decoder(1, ModelConfig.tiny())
+    tokens = torch.randint(0, model.config.vocab, (2, 8))
+    profile = profile_layers(model, tokens, tokens, config=ProfilerConfig(repeats=1, warmup=0))
+    moes = {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+    assert moes
+    for layer in profile.layers:
+        mine = [m for name, m in moes.items() if name.startswith(layer.layer_name + ".")]
+        if not mine:
+            assert (layer.num_experts, layer.expert_parameter_bytes, layer.all_to_all_bytes) == (0, 0, 0)
+            continue
+        (moe,) = mine
+        assert layer.num_experts == moe.experts
+        assert layer.expert_parameter_bytes == 4 * sum(w.numel() for w in (moe.w1, moe.w2, moe.w3))
+        assert 0 < layer.expert_parameter_bytes < layer.parameter_bytes  # the router is not an expert
+        assert layer.all_to_all_bytes == 2 * moe.experts * moe.capacity(2 * 8) * model.config.hidden * 4

@@ -188,3 +188,41 @@ def test_expert_parallel_all_to_alls_are_paid() -> None:
     assert with_ep.estimate.step_time_us > without.estimate.step_time_us
     with pytest.raises(ValueError, match="ep=3 does not divide"):
         tune_mesh(profile, MeshTuneConfig(**{**vars(config), "ep": 3}))
+
+
+def moe_profile() -> profile_pb2.Profile:
+    """Every other layer a MoE layer of 4 experts holding most of its parameters in them."""
+    profile = mesh_profile(8, seed=2)
+    for layer in profile.layers[1::2]:
+        layer.parameter_bytes = layer.gradient_bytes = 20_000
+        layer.optimizer_state_bytes = 40_000
+        layer.expert_parameter_bytes = 18_000
+        layer.num_experts = 4
+        layer.all_to_all_bytes = 500
+    profile.collectives.add(
+        group=profile_pb2.GROUP_KIND_EXPERT_PARALLEL, latency_us=1.0, bandwidth_bytes_per_second=1e5
+    )
+    return profile
+
+
+def test_expert_parallelism_is_searched_where_the_model_has_experts() -> None:
+    """dp=4 and 4 experts: ep 1, 2 and 4 are tried; under a cap only experts split over devices fit."""
+    profile = moe_profile()
+    config = MeshTuneConfig(devices=8, global_batch=16, memory_cap_bytes=10**7, pipeline_degrees=(2,))
+    free = tune_mesh(profile, config)
+    assert sorted(c.ep for c in free.candidates) == [1, 2, 4]
+    assert free.plan.mesh.ep == free.ep
+    peak = {c.ep: c.peak_memory_bytes for c in free.candidates}
+    assert peak[4] < peak[2] < peak[1]  # fewer experts per device
+    cap = (peak[1] + peak[2]) // 2
+    with pytest.raises(ValueError, match="memory cap"):
+        tune_mesh(profile, MeshTuneConfig(**{**vars(config), "memory_cap_bytes": min(cap, peak[1] - 1), "ep": 1}))
+    capped = tune_mesh(profile, MeshTuneConfig(**{**vars(config), "memory_cap_bytes": cap}))
+    assert capped.ep in (2, 4) and capped.estimate.fits
+    verify_plan(capped.plan)
+    # 8 replicas, 4 experts: ep 8 would leave a device without an expert
+    wide = tune_mesh(profile, MeshTuneConfig(devices=8, global_batch=16, memory_cap_bytes=10**7, pipeline_degrees=(1,)))
+    assert sorted(c.ep for c in wide.candidates) == [1, 2, 4]
+    # no MoE layer: ep stays 1
+    dense = tune_mesh(mesh_profile(8, seed=2), config)
+    assert {c.ep for c in dense.candidates} == {1}

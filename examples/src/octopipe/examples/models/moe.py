@@ -39,6 +39,15 @@ class MoE(nn.Module):
         """Slots per expert for ``tokens`` tokens."""
         return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.experts))
 
+    def expert_costs(self, tokens: int) -> tuple[int, int, int]:
+        """What expert parallelism splits and sends, for a micro-batch of ``tokens`` tokens (the profiler reads
+        it): the number of experts, the bytes of expert weights, and the bytes of one forward's dispatch and
+        combine all-to-alls on each rank (two ``[experts, capacity, hidden]`` buffers)."""
+        weights = (self.w1, self.w2, self.w3)
+        hidden = self.w2.shape[-1]
+        buffer = self.experts * self.capacity(tokens) * hidden * self.w1.element_size()
+        return self.experts, sum(w.numel() * w.element_size() for w in weights), 2 * buffer
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For flat tokens ``x`` [T, H]: each assignment's slot, gate weight and token index."""
         tokens = x.shape[0]

@@ -16,6 +16,7 @@ counted as activations.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -116,6 +117,7 @@ def profile_layers(
         stage_inputs = [x, target] if last else [x]
         exe = compiler.executable(stage, stage_inputs, stage_index=index, key=_key("layer", layer.name, stage_inputs))
         profile.layers.append(_profiled(exe, stage_inputs, config, layer.name, kind_of(layer.name), index, last))
+        _expert_costs(profile.layers[-1], stage, x)
         with torch.no_grad():
             x = stage(*stage_inputs)
     return profile
@@ -197,6 +199,20 @@ def _profiled(
                 size_bytes=out.numel() * out.element_size(),
             )
     return cost
+
+
+def _expert_costs(cost: profile_pb2.LayerCost, stage: nn.Module, x: torch.Tensor) -> None:
+    """A layer with MoE modules: its experts, their bytes and its all-to-all bytes per forward, from each
+    module's ``expert_costs(tokens)`` (the zoo's MoE has it): what the mesh search needs to choose ep."""
+    tokens = x.shape[0] * x.shape[1] if x.dim() >= 2 else x.numel()
+    hooks = [getattr(m, "expert_costs", None) for m in stage.modules()]
+    found: list[tuple[int, int, int]] = [hook(tokens) for hook in hooks if callable(hook)]
+    if not found:
+        return
+    counts = {experts for experts, _, _ in found}
+    cost.num_experts = math.gcd(*counts)  # an ep that divides it divides every MoE module's experts
+    cost.expert_parameter_bytes = sum(size for _, size, _ in found)
+    cost.all_to_all_bytes = sum(sent for _, _, sent in found)
 
 
 def _layer_cost(exe: StageExecutable, inputs: list[torch.Tensor], config: ProfilerConfig) -> profile_pb2.LayerCost:

@@ -25,6 +25,12 @@ its action order fixed. The baseline is 1F1B with equal layer counts on the
 same mesh (same pp, dp, m; collectives prefetched, no RESHARD). Plans are
 scored by step time: every candidate processes the same global batch, so the
 shortest step is the highest throughput.
+
+Expert parallelism: with ``ep=None`` (the default) and a Profile with MoE
+layers (``LayerCost.num_experts``), every ep that divides both dp and each MoE
+layer's expert count is tried for each (pp, dp, m): a larger ep holds fewer
+experts per device (less memory) and sends its all-to-alls over a larger
+group. Without MoE layers ep is 1; a given ``ep`` is used as it is.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from octopipe.tune.problem import FAMILIES, Candidate, Evaluator, Layers, Score,
 from octopipe.tune.registry import DEFAULT_SCHEDULES, Placement, ScheduleRegistry
 from octopipe.tune.search import Search
 
-__all__ = ["MeshCandidate", "MeshTuneConfig", "MeshTuneResult", "scale_microbatches", "tune_mesh"]
+__all__ = ["MeshCandidate", "MeshTuneConfig", "MeshTuneResult", "expert_degrees", "scale_microbatches", "tune_mesh"]
 
 Progress = Callable[[str], None]
 
@@ -59,7 +65,8 @@ class MeshTuneConfig:
     ``p2p_link``: pipeline sends between stages where the Profile has no
     LinkCost for a pair (None: the Profile's links only). ``pipeline_degrees``:
     the pp values to try (None: every divisor of ``devices`` that fits).
-    ``ep``: expert-parallel degree inside each data-parallel group.
+    ``ep``: expert-parallel degree inside each data-parallel group (None:
+    searched where the profile has MoE layers, see the module doc).
     ``max_microbatches``: the most micro-batches per replica (module doc).
     ``refine_s``: seconds of partition refinement for the winner (0: none).
     ``registry``: the schedules to search; ``families``: its placement
@@ -74,7 +81,7 @@ class MeshTuneConfig:
     pipeline_degrees: tuple[int, ...] | None = None
     families: tuple[str, ...] = FAMILIES
     placements: tuple[CollectivePlacement, ...] = PLACEMENTS
-    ep: int = 1
+    ep: int | None = None
     max_microbatches: int = 64
     overlap_hidden_fraction: float = 0.0
     refine_s: float = 0.0
@@ -94,7 +101,7 @@ class MeshTuneConfig:
             raise ValueError("placements is empty: give at least one CollectivePlacement")
         if self.max_microbatches < 1:
             raise ValueError(f"max_microbatches must be >= 1, got {self.max_microbatches}")
-        if self.ep < 1 or self.refine_s < 0:
+        if (self.ep is not None and self.ep < 1) or self.refine_s < 0:
             raise ValueError(f"ep must be >= 1 and refine_s >= 0, got {self.ep} and {self.refine_s}")
         for pp in self.pipeline_degrees or ():
             if pp < 1 or self.devices % pp:
@@ -103,11 +110,12 @@ class MeshTuneConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class MeshCandidate:
-    """One (pp, dp, m): its best plan's step, or why it has none."""
+    """One (pp, dp, ep, m): its best plan's step, or why it has none."""
 
     pp: int
     dp: int
     num_microbatches: int
+    ep: int = 1
     microbatch_size: int
     step_time_us: float
     fits: bool
@@ -129,6 +137,7 @@ class MeshTuneResult:
     num_microbatches: int
     microbatch_size: int
     description: str
+    ep: int = 1
     candidates: tuple[MeshCandidate, ...] = field(default_factory=tuple)
     simulations: int = 0
     seconds: float = 0.0
@@ -142,7 +151,9 @@ class MeshTuneResult:
 class _MeshEvaluator(Evaluator):
     """An Evaluator whose cost models time the mesh's collectives."""
 
-    def __init__(self, profile: profile_pb2.Profile, config: MeshTuneConfig, links: GroupLinks, pp: int, m: int):
+    def __init__(
+        self, profile: profile_pb2.Profile, config: MeshTuneConfig, links: GroupLinks, pp: int, m: int, ep: int
+    ) -> None:
         super().__init__(
             profile,
             num_ranks=pp,
@@ -153,7 +164,7 @@ class _MeshEvaluator(Evaluator):
             registry=config.registry,
         )
         self.collectives = links
-        self.dp, self.ep = config.devices // pp, config.ep
+        self.dp, self.ep = config.devices // pp, ep
 
     def cost_model(self, bounds: Sequence[int]) -> CostModel:
         return replace(super().cost_model(bounds), collectives=self.collectives)
@@ -199,10 +210,11 @@ def tune_mesh(
                 )
             )
             continue
-        if config.global_batch % (dp * b) or dp % config.ep:
+        eps = expert_degrees(profile, dp, config.ep)
+        if config.global_batch % (dp * b) or not eps:
             why = (
                 f"ep={config.ep} does not divide dp={dp}"
-                if dp % config.ep
+                if not eps
                 else f"global batch {config.global_batch} is not a multiple of dp x micro-batch size = {dp * b}"
             )
             candidates.append(
@@ -216,31 +228,36 @@ def tune_mesh(
             k for k in range(1, per_replica + 1) if per_replica % k == 0 and per_replica // k <= config.max_microbatches
         )
         m = per_replica // k
-        ev = _MeshEvaluator(scale_microbatches(profile, k), config, links, pp, m)
-        found = _search_degree(ev, config, len(layers))
-        simulations += ev.evaluations
-        if found is None:
-            continue
-        score, candidate, plan, label = found
-        peak = max(r.peak_memory_bytes for r in score.estimate.ranks) if score.estimate is not None else 0
-        candidates.append(
-            MeshCandidate(
-                pp=pp,
-                dp=dp,
-                num_microbatches=m,
-                microbatch_size=k * b,
-                step_time_us=score.step_time_us,
-                fits=score.fits,
-                schedule=label,
-                placement=candidate.family.label,
-                peak_memory_bytes=peak,
-                reason="" if score.fits else f"{peak} bytes at peak on some rank, over the cap",
+        scaled = scale_microbatches(profile, k)
+        for ep in eps:
+            ev = _MeshEvaluator(scaled, config, links, pp, m, ep)
+            found = _search_degree(ev, config, len(layers))
+            simulations += ev.evaluations
+            if found is None:
+                continue
+            score, candidate, plan, label = found
+            peak = max(r.peak_memory_bytes for r in score.estimate.ranks) if score.estimate is not None else 0
+            candidates.append(
+                MeshCandidate(
+                    pp=pp,
+                    dp=dp,
+                    ep=ep,
+                    num_microbatches=m,
+                    microbatch_size=k * b,
+                    step_time_us=score.step_time_us,
+                    fits=score.fits,
+                    schedule=label,
+                    placement=candidate.family.label,
+                    peak_memory_bytes=peak,
+                    reason="" if score.fits else f"{peak} bytes at peak on some rank, over the cap",
+                )
             )
-        )
-        if progress is not None:
-            progress(f"pp={pp} dp={dp} m={m}: {label}, step {score.step_time_us / 1e3:.1f} ms, fits={score.fits}")
-        if best is None or score < best[0]:
-            best = (score, ev, candidate, plan, label)
+            if progress is not None:
+                progress(
+                    f"pp={pp} dp={dp} ep={ep} m={m}: {label}, step {score.step_time_us / 1e3:.1f} ms, fits={score.fits}"
+                )
+            if best is None or score < best[0]:
+                best = (score, ev, candidate, plan, label)
     if best is None:
         reasons = "; ".join(f"pp={c.pp}: {c.reason}" for c in candidates)
         raise ValueError(
@@ -269,6 +286,7 @@ def tune_mesh(
         baseline=baseline,
         pp=ev.num_ranks,
         dp=ev.dp,
+        ep=ev.ep,
         num_microbatches=ev.m,
         microbatch_size=ev.microbatch_size,
         description=f"{label}, layers per stage {sizes}",
@@ -276,6 +294,15 @@ def tune_mesh(
         simulations=simulations,
         seconds=time.perf_counter() - start,
     )
+
+
+def expert_degrees(profile: profile_pb2.Profile, dp: int, ep: int | None) -> list[int]:
+    """The ep values to try with ``dp`` replicas: ``[ep]`` if given and it divides dp (else none); otherwise
+    every divisor of dp that divides each MoE layer's expert count, or ``[1]`` without MoE layers."""
+    if ep is not None:
+        return [ep] if dp % ep == 0 else []
+    experts = [layer.num_experts for layer in profile.layers if layer.num_experts]
+    return [e for e in range(1, dp + 1) if dp % e == 0 and all(n % e == 0 for n in experts)] if experts else [1]
 
 
 def _search_degree(

@@ -80,6 +80,11 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     mesh.add_argument("--p2p-latency-us", type=float, default=5.0, help="pipeline sends (default 5)")
     mesh.add_argument("--pipeline-degrees", help="pp values to try, e.g. 4,8,16 (default: every divisor)")
     mesh.add_argument("--max-microbatches", type=int, default=64, help="per replica (default 64)")
+    mesh.add_argument(
+        "--ep",
+        type=int,
+        help="expert-parallel degree (default: every one that divides dp and the MoE layers' experts is tried)",
+    )
     parser.add_argument("--families", default=",".join(FAMILIES), help=f"placements to search ({', '.join(FAMILIES)})")
     parser.add_argument("--time-budget", type=float, default=30.0, help="seconds (default 30)")
     parser.add_argument("--max-evaluations", type=int, default=3000, help="simulations at most (default 3000)")
@@ -164,6 +169,7 @@ def _run_mesh(args: argparse.Namespace) -> int:
         pipeline_degrees=degrees,
         families=tuple(f.strip() for f in args.families.split(",") if f.strip()),
         max_microbatches=args.max_microbatches,
+        ep=args.ep,
         registry=args.registry,
     )
     result = tune_mesh(profile, config)
@@ -184,6 +190,7 @@ def _mesh_json(result: MeshTuneResult, plan_path: Path, text_path: Path) -> dict
         "plan_text": str(text_path),
         "pp": result.pp,
         "dp": result.dp,
+        "ep": result.ep,
         "microbatches": result.num_microbatches,
         "microbatch_size": result.microbatch_size,
         "description": result.description,
@@ -196,6 +203,7 @@ def _mesh_json(result: MeshTuneResult, plan_path: Path, text_path: Path) -> dict
             {
                 "pp": c.pp,
                 "dp": c.dp,
+                "ep": c.ep,
                 "microbatches": c.num_microbatches,
                 "microbatch_size": c.microbatch_size,
                 "step_time_us": c.step_time_us,
@@ -213,18 +221,24 @@ def _print_mesh(result: MeshTuneResult, plan_path: Path, text_path: Path) -> Non
 
     console = Console()
     title = (
-        f"chosen: pp {result.pp} x dp {result.dp}, {result.num_microbatches} micro-batches of "
+        f"chosen: pp {result.pp} x dp {result.dp} (ep {result.ep}), {result.num_microbatches} micro-batches of "
         f"{result.microbatch_size} per replica ({result.description})"
     )
     rows = (("1F1B, equal layer counts, same mesh", result.baseline), ("tuned", result.estimate))
     console.print(_estimate_table(title, rows, memory=("GB", 1e9), step_format=".1f"))
-    tried = Table(title="every pp x dp tried (its best plan)")
-    for column in ("pp", "dp", "m", "step ms", "fits", "schedule / why not"):
+    tried = Table(title="every pp x dp x ep tried (its best plan)")
+    for column in ("pp", "dp", "ep", "m", "step ms", "fits", "schedule / why not"):
         tried.add_column(column)
     for c in result.candidates:
         step = f"{c.step_time_us / 1e3:.1f}" if c.num_microbatches else "-"
         tried.add_row(
-            str(c.pp), str(c.dp), str(c.num_microbatches), step, "yes" if c.fits else "no", c.schedule or c.reason
+            str(c.pp),
+            str(c.dp),
+            str(c.ep),
+            str(c.num_microbatches),
+            step,
+            "yes" if c.fits else "no",
+            c.schedule or c.reason,
         )
     console.print(tried)
     console.print(
