@@ -13,7 +13,7 @@ Two parts, pp=1 x dp=2 on 2 processes pinned to distinct cores (gloo, one thread
    simulator's for the same plan, fed the run's own median compute times per stage and kind and the
    fitted ring for the collectives; and each measured UNSHARD / REDUCE_GRAD against its ring estimate.
 
-    .venv/bin/python bench/fsdp_overlap.py [--workload llama-8] [--steps 4] [--chunks 4]
+    .venv/bin/python bench/fsdp_overlap.py [--workloads llama-8 moe-ep-4] [--steps 4] [--chunks 4]
 """
 
 from __future__ import annotations
@@ -105,8 +105,12 @@ def _least_squares(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
-def plans(workload: str, microbatches: int, chunks: int) -> dict[str, plan_pb2.Plan]:
-    reference = workload_reference(workload)
+def plans(workload: str, microbatches: int, chunks: int, tiny: bool) -> dict[str, plan_pb2.Plan]:
+    reference = (
+        workload_reference(workload, tiny=tiny, global_batch=DP * microbatches)
+        if tiny
+        else workload_reference(workload)
+    )
     names = list(build_model(reference).model.pipeline_layers())  # type: ignore[operator]
     made = {
         "one stage": one_f_one_b(1, microbatches, layer_names=[names]),
@@ -173,7 +177,7 @@ def in_step(plan: plan_pb2.Plan, result: RunResult, link: Link) -> dict[str, Any
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser, rounds=1, steps=4)
-    parser.add_argument("--workload", default="llama-8")
+    parser.add_argument("--workloads", nargs="+", default=["llama-8", "moe-ep-4"])
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=7)
@@ -196,17 +200,19 @@ def main() -> None:
                 f"  {kind:>14} {int(size) >> 10:>6} KiB/rank: {row['measured_us']:8.0f} us, ring {row['ring_us']:8.0f} us ({error:+.0%})"
             )
     record["in_step"] = {}
-    for name, plan in plans(args.workload, args.microbatches, args.chunks).items():
+    for workload, name, plan in [
+        (w, n, p) for w in args.workloads for n, p in plans(w, args.microbatches, args.chunks, args.tiny).items()
+    ]:
         samples = []
         for _ in range(args.rounds):
             result = run_local(plan, RunOptions(steps=args.steps, timeout_s=600))
             environment.record(result.cores)
             samples.append(in_step(plan, result, link))
         figures = min(samples, key=lambda s: s["step_ms"]) if len(samples) > 1 else samples[0]
-        record["in_step"][name] = {"plan": plan.name, **figures, "rounds": samples}
+        record["in_step"][f"{workload} {name}"] = {"plan": plan.name, **figures, "rounds": samples}
         error = figures["exposed_error"]
         print(
-            f"{args.workload} {name}: step {figures['step_ms']:.0f} ms (simulated {figures['predicted_step_ms']:.0f}); "
+            f"{workload} {name}: step {figures['step_ms']:.0f} ms (simulated {figures['predicted_step_ms']:.0f}); "
             f"exposed collectives {figures['exposed_measured_ms']:.1f} ms measured, "
             f"{figures['exposed_predicted_ms']:.1f} ms simulated" + (f" ({error:+.0%})" if error is not None else "")
         )
