@@ -178,6 +178,7 @@ def test_convert_between_formats(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert last_rank.endswith("2B4,2REDUCE_GRAD,2SEND_B4")  # torch's runtime scales the gradients there
 
 
+@pytest.mark.extended  # 15-20 s; test_run_cmd's default test profiles with the same command
 def test_profile_writes_a_profile(tmp_path: Path) -> None:
     from octopipe.profile.v1 import profile_pb2
 

@@ -17,7 +17,12 @@ pytestmark = pytest.mark.slow
     ("script", "layers"),
     [
         ("own_module.py", None),
-        ("own_hf_model.py", "layers: model.embed_tokens model.layers.0 model.layers.1 model.layers.2"),
+        # 25 s; HF models as written run by default in test_whole_model_runtime and test_pretrained
+        pytest.param(
+            "own_hf_model.py",
+            "layers: model.embed_tokens model.layers.0 model.layers.1 model.layers.2",
+            marks=pytest.mark.extended,
+        ),
     ],
 )
 def test_example_runs_and_matches_eager(script: str, layers: str | None) -> None:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import fx
 
+from octopipe.transform.bw_split import _ancestors  # the same walk the B/W split makes
 from octopipe.transform.collectives import is_all_gather, is_reduce_scatter, is_wait
 from octopipe.transform.fsdp_split import FSDPGraphs
 
@@ -117,17 +118,6 @@ def _buckets(found: list[_Collective], policy: BucketPolicy) -> list[list[_Colle
             buckets.append(bucket)
         bucket.append(item)
     return buckets
-
-
-def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = list(nodes)
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    return seen
 
 
 def _call(graph: fx.Graph, target: object, *args: object) -> fx.Node:
