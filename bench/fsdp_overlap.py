@@ -11,7 +11,9 @@ Two parts, pp=1 x dp=2 on 2 processes pinned to distinct cores (gloo, one thread
    exposed collective time, the collective stream's busy time under no compute
    (:func:`octopipe.simulate.exposed_collective_us`), measured from the runtime's timeline, against the
    simulator's for the same plan, fed the run's own median compute times per stage and kind and the
-   fitted ring for the collectives; and each measured UNSHARD / REDUCE_GRAD against its ring estimate.
+   fitted ring for the collectives (the whole model), and fed the collectives' own measured medians too
+   (the collective stream's issue/wait model alone); and each measured UNSHARD / REDUCE_GRAD against its
+   ring estimate.
 
     .venv/bin/python bench/fsdp_overlap.py [--workloads llama-8 moe-ep-4] [--steps 4] [--chunks 4]
 """
@@ -24,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +152,9 @@ def in_step(plan: plan_pb2.Plan, result: RunResult, link: Link) -> dict[str, Any
     )
     simulation = simulate(plan, model)
     predicted = exposed_collective_us((t.stream, t.start_us, t.end_us) for t in simulation.timeline(0))
+    # the stream model alone: the collectives' own measured medians instead of the ring
+    replayed = simulate(plan, replace(model, durations_us=measured))
+    replay = exposed_collective_us((t.stream, t.start_us, t.end_us) for t in replayed.timeline(0))
     exposed = statistics.median(measured_exposed)
     collectives = {
         f"{kind.name} stage {stage}": {
@@ -170,6 +176,8 @@ def in_step(plan: plan_pb2.Plan, result: RunResult, link: Link) -> dict[str, Any
         ],
         "exposed_predicted_ms": predicted / 1e3,
         "exposed_error": (predicted - exposed) / exposed if exposed else None,
+        "exposed_replayed_ms": replay / 1e3,
+        "exposed_replayed_error": (replay - exposed) / exposed if exposed else None,
         "collectives": collectives,
     }
 
@@ -215,6 +223,10 @@ def main() -> None:
             f"{workload} {name}: step {figures['step_ms']:.0f} ms (simulated {figures['predicted_step_ms']:.0f}); "
             f"exposed collectives {figures['exposed_measured_ms']:.1f} ms measured, "
             f"{figures['exposed_predicted_ms']:.1f} ms simulated" + (f" ({error:+.0%})" if error is not None else "")
+        )
+        print(
+            f"  replayed with the collectives' measured times: {figures['exposed_replayed_ms']:.1f} ms "
+            f"({figures['exposed_replayed_error']:+.0%})"
         )
         for label, row in figures["collectives"].items():
             print(
