@@ -54,6 +54,10 @@ ABORT_KEY = "octopipe/abort"
 PLAN_KEY = "octopipe/plan"
 
 
+#: how a run's stage graphs run (``transform.inductor.BACKENDS``; kept here so the control plane needs no torch)
+STAGE_BACKENDS = ("eager", "inductor")
+
+
 @dataclass(kw_only=True, frozen=True)
 class RunOptions:
     """How ``runtime.run_local`` / ``run_local_many`` run plans on local CPU ranks (gloo, 127.0.0.1).
@@ -74,7 +78,9 @@ class RunOptions:
     ``optimization``: the optimizer, its schedule and gradient clipping (``training.Optimization``;
     default AdamW at 1e-3). ``data``: batches from text files (``training.DataSpec``) instead of the
     model's own. ``weights``: initial weights read stage by stage from a checkpoint folder, and where the
-    trained weights are exported (``training.WeightsSpec``).
+    trained weights are exported (``training.WeightsSpec``). ``compile``: ``eager`` runs the split graphs
+    as captured; ``inductor`` compiles each stage's F, B, I and W graphs (``transform.inductor``), and
+    ``compile_fallback`` lets a graph that fails to compile run eagerly instead of failing the run.
     """
 
     steps: int = 1
@@ -97,12 +103,16 @@ class RunOptions:
     measure_memory: bool = False
     device: str = "cpu"
     deterministic: bool = False
+    compile: str = "eager"
+    compile_fallback: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cpus", tuple(self.cpus))  # a list given by a caller becomes a tuple
         problems = []
         if self.device not in RUN_DEVICES:
             problems.append(f"device must be one of {', '.join(RUN_DEVICES)}, got {self.device!r}")
+        if self.compile not in STAGE_BACKENDS:
+            problems.append(f"compile must be one of {', '.join(STAGE_BACKENDS)}, got {self.compile!r}")
         if self.steps < 0:  # 0: nothing to run (a run resumed from its last step's checkpoint)
             problems.append(f"steps must be >= 0, got {self.steps}")
         if self.timeout_s <= 0:
@@ -165,6 +175,10 @@ class WorkerConfig:
     device: str = "cpu"
     #: torch's deterministic kernels (``transform.Device.make_deterministic``)
     deterministic: bool = False
+    #: how stage graphs run: ``eager`` or ``inductor`` (``transform.inductor``), and whether a graph that fails
+    #: to compile may run eagerly
+    compile: str = "eager"
+    compile_fallback: bool = False
 
     @classmethod
     def for_rank(
@@ -214,6 +228,8 @@ class WorkerConfig:
             measure_memory=options.measure_memory,
             device=rank_device(options.device, rank if local_rank is None else local_rank),
             deterministic=options.deterministic,
+            compile=options.compile,
+            compile_fallback=options.compile_fallback,
         )
 
 

@@ -30,6 +30,7 @@ from octopipe.transform.executable import ForwardContext, StageExecutable, Weigh
 from octopipe.transform.fsdp import ShardConfig, ShardSpec, shard_parameters, shard_specs, unshard_tensor
 from octopipe.transform.fsdp_bucket import BucketPolicy, bucket_collectives, count_collectives
 from octopipe.transform.fsdp_split import NOT_HANDLED, FSDPGraphs, FSDPStage, ParamChain, split_fsdp
+from octopipe.transform.inductor import BACKENDS, Backend, CompileError, compile_stage_graphs, stage_backend
 from octopipe.transform.multiplexing import CommOverlap, Multiplexed, OverlapReport, Simulation, multiplex, simulate
 from octopipe.transform.overlap import OverlapResult, OverlapStage
 from octopipe.transform.profiler import ProfilerConfig, format_profile, profile_layers, profile_stages, storage_bytes
@@ -40,13 +41,16 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "BACKENDS",
     "CPU",
     "NOT_HANDLED",
     "AllocatorPeak",
     "BWSplit",
+    "Backend",
     "BackwardKind",
     "BucketPolicy",
     "CommOverlap",
+    "CompileError",
     "CompiledStage",
     "CostModel",
     "CudaAllocatorPeak",
@@ -75,6 +79,7 @@ __all__ = [
     "comm_bytes",
     "compile_fsdp_stage",
     "compile_stage",
+    "compile_stage_graphs",
     "count_collectives",
     "format_profile",
     "graph_flops",
@@ -89,6 +94,7 @@ __all__ = [
     "simulate",
     "split_backward",
     "split_fsdp",
+    "stage_backend",
     "storage_bytes",
     "table_costs",
     "unshard_tensor",

@@ -14,6 +14,7 @@ multiplexed graphs by the pair of stages and the backward kind.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -27,6 +28,7 @@ from octopipe.transform.costs import roofline_costs
 from octopipe.transform.executable import StageExecutable
 from octopipe.transform.fsdp_bucket import BucketPolicy, bucket_collectives
 from octopipe.transform.fsdp_split import FSDPGraphs, FSDPStage, split_fsdp
+from octopipe.transform.inductor import Backend, compile_stage_graphs
 from octopipe.transform.multiplexing import Multiplexed, multiplex
 from octopipe.transform.overlap import OverlapStage
 
@@ -80,6 +82,10 @@ class StageCompiler:
     config: CaptureConfig | None = None
     #: how a sharded stage's collectives are bucketed (default: one all-gather and one reduce-scatter per stage)
     buckets: BucketPolicy = field(default_factory=BucketPolicy)
+    #: ``inductor``: each stage's F, B, I and W graphs compiled (``transform.inductor``); ``fallback``: a graph
+    #: that fails to compile runs eagerly (with a warning) instead of raising CompileError
+    backend: Backend = "eager"
+    fallback: bool = False
     _stages: dict[Hashable, CompiledStage] = field(default_factory=dict, repr=False)
     _multiplexed: dict[tuple[int, int, str], tuple[StageGraphs, StageGraphs, Multiplexed]] = field(
         default_factory=dict, repr=False
@@ -113,6 +119,9 @@ class StageCompiler:
         fsdp = bucket_collectives(split_fsdp(graphs), self.buckets) if sharded else None
         runs = fsdp.stage if fsdp is not None else graphs
         split = split_backward(runs.backward, num_params=runs.num_params, num_inputs=runs.num_inputs)
+        if self.backend == "inductor":
+            runs, split = compile_stage_graphs(runs, split, stage_index=stage_index, fallback=self.fallback)
+            fsdp = dataclasses.replace(fsdp, stage=runs) if fsdp is not None else None
         compiled = CompiledStage(graphs=runs, split=split, fsdp=fsdp)
         if cache_key is not None:
             self._stages[cache_key] = compiled

@@ -57,6 +57,7 @@ from octopipe.execute.runtime.whole_model import buffer_specs, guard, guard_stag
 from octopipe.ir import Program, compile_plan, stage_ranks
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform import Device, StageCompiler, StageExecutable, graph_flops
+from octopipe.transform.inductor import stage_backend
 
 __all__ = ["StepEvents", "publish_plan", "worker_main"]
 
@@ -182,7 +183,8 @@ def _measure_memory(
 def _run(
     config: WorkerConfig, store: dist.TCPStore, events: StepEvents | None, device: Device
 ) -> list[dict[str, object]]:
-    compiler = StageCompiler()  # one per run: a plan switch that keeps a stage's layers reuses its graphs
+    # one per run: a plan switch that keeps a stage's layers reuses its graphs
+    compiler = StageCompiler(backend=stage_backend(config.compile), fallback=config.compile_fallback)
     return [
         _run_plan(config, plan_pb2.Plan.FromString(data), store, compiler, index, device, events)
         for index, data in enumerate(config.plans)
