@@ -25,10 +25,12 @@ REDUCE_GRAD graphs (collectives), which run eagerly.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
 
 from octopipe.capture import StageGraphs
@@ -53,11 +55,67 @@ class CompileError(RuntimeError):
     """A graph failed to compile; the message names the stage and the graph."""
 
 
-def _example(node: fx.Node) -> torch.Tensor:
-    value = node.meta.get("val")
+def _example(value: object, name: str) -> Any:
+    """Zeros shaped like a traced value: a tensor, or a tuple of them (an op with several results)."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_example(v, name) for v in value)
     if not isinstance(value, torch.Tensor):
-        raise CompileError(f"placeholder {node.name!r} carries no traced tensor ('val'): cannot compile the graph")
+        raise CompileError(f"placeholder {name!r} carries no traced tensor ('val'): cannot compile the graph")
     return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device).zero_()
+
+
+def _flat(graph: fx.GraphModule) -> tuple[fx.GraphModule, pytree.TreeSpec]:
+    """A copy of ``graph`` with flat tensor inputs and one flat tuple of outputs, and the outputs' structure.
+
+    Inductor takes and returns flat lists of tensors. A split graph may return, or take, a node whose
+    value is a tuple (an op with several results stashed from I for W): such an input becomes one
+    placeholder per element (its ``getitem`` uses read them), such an output one output per element;
+    the returned structure rebuilds the eager graph's outputs, and callers pass ``tree_leaves(args)``.
+    """
+    copy = fx.Graph()
+    env: dict[fx.Node, Any] = {}
+    output = None
+    for node in graph.graph.nodes:
+        if node.op == "output":
+            output = node
+            continue
+        value = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(value, (tuple, list)):
+            parts = []
+            for index, element in enumerate(value):
+                part = copy.placeholder(f"{node.name}_{index}")
+                part.meta["val"] = element
+                parts.append(part)
+            env[node] = tuple(parts)
+            continue
+        if node.op == "call_function" and node.target is operator.getitem and isinstance(env.get(node.args[0]), tuple):
+            env[node] = env[node.args[0]][node.args[1]]
+            continue
+        if isinstance(env.get(node), tuple) or any(isinstance(env.get(i), tuple) for i in node.all_input_nodes):
+            raise CompileError(f"node {node.name!r} reads a tuple input other than by index: not handled")
+        env[node] = copy.node_copy(node, lambda n: env[n])
+
+    def expand(item: Any) -> Any:  # a tuple-valued node as a tuple of its elements
+        if isinstance(item, fx.Node):
+            value = item.meta.get("val")
+            mapped = env[item]
+            if isinstance(mapped, tuple):
+                return mapped
+            if isinstance(value, (tuple, list)):
+                parts = []
+                for index, element in enumerate(value):
+                    part = copy.call_function(operator.getitem, (mapped, index))
+                    part.meta["val"] = element
+                    parts.append(part)
+                return tuple(parts)
+            return mapped
+        return item
+
+    assert output is not None
+    structure = pytree.tree_map_only(fx.Node, expand, output.args[0])
+    leaves, spec = pytree.tree_flatten(structure)
+    copy.output(tuple(leaves))
+    return fx.GraphModule(graph, copy), spec
 
 
 def compile_graph(graph: fx.GraphModule, what: str) -> fx.GraphModule:
@@ -70,8 +128,13 @@ def compile_graph(graph: fx.GraphModule, what: str) -> fx.GraphModule:
 
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
     try:
-        example: list[Any] = [_example(n) for n in placeholders]
-        compiled = inductor_compile(graph, example)
+        flat, structure = _flat(graph)
+        example: list[Any] = [_example(n.meta.get("val"), n.name) for n in placeholders]
+        compiled_flat = inductor_compile(flat, pytree.tree_leaves(example))
+
+        def compiled(*args: Any) -> Any:  # the eager graph's inputs and (possibly nested) outputs
+            return pytree.tree_unflatten(list(compiled_flat(*pytree.tree_leaves(args))), structure)
+
         got = compiled(*example)
     except CompileError as exc:
         raise CompileError(f"{what}: {exc}") from exc
@@ -79,8 +142,8 @@ def compile_graph(graph: fx.GraphModule, what: str) -> fx.GraphModule:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CompileError(f"{what}: Inductor failed ({type(exc).__name__}: {first})") from exc
     expected = graph(*example)
-    got_list = list(got) if isinstance(got, (list, tuple)) else [got]
-    expected_list = list(expected) if isinstance(expected, (list, tuple)) else [expected]
+    got_list = pytree.tree_leaves(got)
+    expected_list = pytree.tree_leaves(expected)
 
     def spec(values: Sequence[Any]) -> list[object]:
         return [None if v is None else (tuple(v.shape), v.dtype) for v in values]
