@@ -15,7 +15,7 @@ from octopipe.execute.cli.profile import load_profile, save_profile
 from octopipe.execute.cli.progress import spinner
 from octopipe.execute.cli.torchrun import torchrun_rank
 from octopipe.execute.devices import RUN_DEVICES
-from octopipe.execute.runs import RunOptions
+from octopipe.execute.runs import STAGE_BACKENDS, RunOptions
 from octopipe.ir import load_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
@@ -66,6 +66,12 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
         help="whole-model capture: do not check before the first step that the pipelined forward reproduces "
         "the model's own loss on one micro-batch (checked by default; a mismatch refuses to train, naming the stage)",
     )
+    parser.add_argument(
+        "--compile",
+        choices=STAGE_BACKENDS,
+        default="eager",
+        help="run the stage graphs as captured (eager, default) or compiled by Inductor (inductor)",
+    )
     parser.add_argument("--json", action="store_true", help="print losses and step times as JSON instead of a table")
     parser.add_argument(
         "--torchrun", action="store_true", help="join an external launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
@@ -81,6 +87,7 @@ def _join_torchrun(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
         pin_cores=not args.no_pin,
         numerics_check=not args.skip_numerics_check,
         device=args.device,
+        compile=args.compile,
     )
     rank, _ = torchrun_rank(plan, options, args.out)
     sys.stdout.write(f"rank {rank}: results in {args.out / f'rank{rank}.pt'}\n")
@@ -119,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
                 strict_pinning=args.strict_pinning,
                 numerics_check=not args.skip_numerics_check,
                 device=args.device,
+                compile=args.compile,
             ),
         )
     times = measured_step_times_us(result)
