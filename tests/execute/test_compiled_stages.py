@@ -10,6 +10,9 @@ compile is named, or runs eagerly only when asked.
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 from torch import fx
@@ -17,9 +20,12 @@ from torch import fx
 from octopipe.capture import split_model
 from octopipe.execute.runs import STAGE_BACKENDS
 from octopipe.execute.runtime import RunOptions, build_model, reference_run, run_local_many, workload_reference
+from octopipe.plan.v1 import plan_pb2
+from octopipe.profile.v1 import profile_pb2
 from octopipe.transform import BACKENDS, CompileError, StageCompiler, stage_backend
 from octopipe.transform.inductor import compile_graph
 from octopipe.tune import equal_partition, one_f_one_b, zb_h1, zb_v
+from tests.execute.test_cli import OCTOPIPE
 
 M = 4
 
@@ -73,7 +79,7 @@ def test_a_graph_inductor_cannot_compile_is_named() -> None:
         compile_graph(module, "stage 3, graph W")
 
 
-def _plans() -> list:  # type: ignore[type-arg]
+def _plans() -> list[plan_pb2.Plan]:
     reference = workload_reference("llama-8", tiny=True, sequence=8, global_batch=M)
     names = build_model(reference).model.pipeline_layers()  # type: ignore[operator]
     plans = [
@@ -105,5 +111,22 @@ def test_compiled_runs_equal_the_eager_reference_and_each_other_bitwise() -> Non
             assert sorted(actual) == sorted(expected), plan.name
             for name, value in expected.items():
                 torch.testing.assert_close(
-                    actual[name], value, msg=lambda m, n=name, w=what, p=plan.name: f"{p}: {w} {n}: {m}"
+                    actual[name],
+                    value,
+                    msg=lambda m, n=name, w=what, p=plan.name: f"{p}: {w} {n}: {m}",  # type: ignore[misc]
                 )
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # compiles every layer of the tiny model (cached on disk after the first run)
+def test_the_profiler_times_the_compiled_graphs(tmp_path: Path) -> None:
+    """`octopipe profile --compile inductor`: the tuner plans with the costs of the graphs that will run."""
+    out = tmp_path / "profile.binpb"
+    command = [*OCTOPIPE, "profile", "--workload", "llama-8", "--tiny", "--sequence", "8", "--repeats", "1"]
+    result = subprocess.run(
+        [*command, "--compile", "inductor", "--out", str(out)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    profile = profile_pb2.Profile.FromString(out.read_bytes())
+    assert profile.labels["compile"] == "inductor"
+    assert len(profile.layers) == 10 and all(layer.forward_duration_us > 0 for layer in profile.layers)

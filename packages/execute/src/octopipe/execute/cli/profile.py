@@ -50,6 +50,12 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
         "pair of --ranks GPUs)",
     )
     parser.add_argument("--ranks", type=int, default=2, help="--link: write the local link for every pair of N ranks")
+    parser.add_argument(
+        "--compile",
+        choices=("eager", "inductor"),
+        default="eager",
+        help="profile the graphs as captured (eager) or as Inductor compiles them (inductor), as the run will use",
+    )
     parser.add_argument("--out", type=Path, default=Path("out/profile.binpb"), help=".binpb or .json")
     parser.add_argument("--json", action="store_true", help="print the Profile as JSON instead of a table")
 
@@ -87,7 +93,14 @@ def run(args: argparse.Namespace) -> int:
     from octopipe.examples import ModelConfig, workload  # noqa: PLC0415
     from octopipe.execute.runtime.linkprobe import measure_links  # noqa: PLC0415
     from octopipe.execute.runtime.precision import dtype_named  # noqa: PLC0415
-    from octopipe.transform import Device, ProfilerConfig, format_profile, profile_layers  # noqa: PLC0415
+    from octopipe.transform import (  # noqa: PLC0415
+        Device,
+        ProfilerConfig,
+        StageCompiler,
+        format_profile,
+        profile_layers,
+        stage_backend,
+    )
 
     if args.out.suffix not in (".binpb", ".pb", ".json"):
         raise ValueError(f"--out {args.out}: use a .binpb, .pb or .json file")
@@ -116,7 +129,10 @@ def run(args: argparse.Namespace) -> int:
             config=ProfilerConfig(repeats=args.repeats, device=device),
             links=links,
             model_reference=reference,
+            compiler=StageCompiler(backend=stage_backend(args.compile)),
         )
+    if args.compile != "eager":
+        profile.labels["compile"] = args.compile
     if args.precision != "float32":  # absent means float32: a float32 profile stays as it always was
         profile.precision.compute_dtype = args.precision
     save_profile(profile, args.out)
