@@ -9,7 +9,10 @@ region. Launches alternate (torch, octopipe, torch, octopipe, ...); the table
 gives the median step time over the timed steps of all rounds (the first step of
 each launch is warm-up) and the 10th-90th percentile range.
 
-    .venv/bin/python bench/vs_torch.py [--workload llama-8] [--rounds 2] [--steps 4]
+    .venv/bin/python bench/vs_torch.py [--workload llama-8] [--rounds 2] [--steps 4] [--compile inductor]
+
+With ``--compile inductor`` octopipe's stage graphs are compiled (``RunOptions(compile="inductor")``;
+issue 20's comparison: compiled octopipe vs torch's eager runtime), written to ``vs_torch_compiled.json``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -26,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from quiet import percentile
+from quiet import percentile, require_quiet
 from torch.distributed.pipelining import PipelineStage, schedules
 
 from octopipe.capture import StageModule, pipeline_spec
@@ -97,7 +101,7 @@ def run_torch(name: str, reference: Any, m: int, steps: int) -> tuple[list[float
     return times, {r: per_rank[r]["cores"] for r in range(2)}
 
 
-def run_octopipe(name: str, reference: Any, m: int, steps: int) -> list[float]:
+def run_octopipe(name: str, reference: Any, m: int, steps: int, compile_: str = "eager") -> list[float]:
     names = build_model(reference).model.pipeline_layers()  # type: ignore[operator]
     parts = equal_partition(names, len(torch_placement(name, 2)))
     if name == "Schedule1F1B":  # torch 2.13's 1F1B order is off by one on the last rank (it runs fine): use ours
@@ -105,7 +109,7 @@ def run_octopipe(name: str, reference: Any, m: int, steps: int) -> list[float]:
         plan.model.CopyFrom(reference)
     else:
         plan = torch_schedule_plan(name, num_ranks=2, num_microbatches=m, layer_names=parts, model=reference)
-    return measured_step_times_us(run_local(plan, RunOptions(steps=steps, timeout_s=300)))
+    return measured_step_times_us(run_local(plan, RunOptions(steps=steps, timeout_s=900, compile=compile_)))
 
 
 def main() -> None:
@@ -115,8 +119,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps per launch; the first is warm-up")
     parser.add_argument("--schedules", nargs="+", default=SCHEDULES)
     parser.add_argument("--tiny", action="store_true", help="unit-test sizes (a smoke run)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "vs_torch.json")
+    parser.add_argument("--compile", choices=["eager", "inductor"], default="eager", help="octopipe's stage graphs")
+    parser.add_argument("--out", type=Path, help="default: results/vs_torch.json (vs_torch_compiled.json compiled)")
     args = parser.parse_args()
+    name_ = "vs_torch_compiled.json" if args.compile == "inductor" else "vs_torch.json"
+    args.out = args.out or Path(__file__).parent / "results" / name_
+    load_before = require_quiet()
     config = {"tiny": True, "sequence": 16} if args.tiny else {}
     reference = workload_reference(args.workload, **config)
     m = 8
@@ -125,7 +133,7 @@ def main() -> None:
         measured: dict[str, list[float]] = {"torch": [], "octopipe": []}
         for _ in range(args.rounds):
             measured["torch"] += run_torch(name, reference, m, args.steps)[0][1:]
-            measured["octopipe"] += run_octopipe(name, reference, m, args.steps)[1:]
+            measured["octopipe"] += run_octopipe(name, reference, m, args.steps, args.compile)[1:]
         row: dict[str, Any] = {"schedule": name}
         for key, values in measured.items():
             row[key] = {"median_ms": statistics.median(values) / 1e3, "p10_ms": percentile(values, 0.1) / 1e3,
@@ -147,7 +155,9 @@ def main() -> None:
             f" {o['median_ms']:>11.0f} [{o['p10_ms']:>6.0f}, {o['p90_ms']:>6.0f}] {r['ratio']:>7.3f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"workload": args.workload, "m": m, "rows": rows}, indent=2) + "\n")
+    record = {"workload": args.workload, "m": m, "compile": args.compile, "rows": rows}
+    record["load_average_before"], record["load_average_after"] = list(load_before), list(os.getloadavg())
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"written: {args.out}")
 
 
