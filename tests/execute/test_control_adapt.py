@@ -27,7 +27,9 @@ def sequential(plan: plan_pb2.Plan) -> plan_pb2.Plan:
 
 def test_a_slow_plan_is_switched_at_a_step_boundary_and_losses_stay_exact(tmp_path: Path) -> None:
     plan = sequential(llama_plan(2, 4))
-    steps = 24
+    # the closed loop decides while the run goes on (a 2-rank tiny step takes ~40 ms; its re-tune a second or
+    # more on a busy machine): enough steps that the switch lands with steps left to measure after it
+    steps = 64
     expected = run_local(plan, RunOptions(steps=steps, pin_cores=False)).losses
     profile = profile_reference(plan.model, num_microbatches=plan.num_microbatches, repeats=2)
     with LocalCluster(tmp_path) as running, running.client() as client:

@@ -54,7 +54,7 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
         "--compile",
         choices=("eager", "inductor"),
         default="eager",
-        help="profile the graphs as captured (eager) or as Inductor compiles them (inductor), as the run will use",
+        help="profile the graphs as captured (eager) or as Inductor compiles them (inductor); default: eager",
     )
     parser.add_argument("--out", type=Path, default=Path("out/profile.binpb"), help=".binpb or .json")
     parser.add_argument("--json", action="store_true", help="print the Profile as JSON instead of a table")

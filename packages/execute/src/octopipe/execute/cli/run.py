@@ -70,7 +70,7 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
         "--compile",
         choices=STAGE_BACKENDS,
         default="eager",
-        help="run the stage graphs as captured (eager, default) or compiled by Inductor (inductor)",
+        help="run the stage graphs as captured (eager) or compiled by Inductor (inductor); default: eager",
     )
     parser.add_argument("--json", action="store_true", help="print losses and step times as JSON instead of a table")
     parser.add_argument(
