@@ -38,7 +38,8 @@ def test_the_backends_are_named_alike_in_the_control_plane() -> None:
         RunOptions(compile="tensorrt")
 
 
-@pytest.mark.slow  # 10-20 s of Inductor compiling (cold cache); one decoder layer
+@pytest.mark.slow
+@pytest.mark.extended  # 10-30 s of Inductor compiling on a cold cache (CI's budget); one decoder layer
 def test_a_compiled_stage_keeps_every_graphs_calling_convention() -> None:
     torch.manual_seed(0)
     reference = workload_reference("llama-8", tiny=True, sequence=8, global_batch=2)

@@ -17,6 +17,7 @@ from tests.execute.test_cli import OCTOPIPE
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.extended  # 21 s; the README's run command (test_demo) profiles, simulates, runs and traces by default
 def test_run_profile_simulate_and_trace(tmp_path: Path) -> None:
     reference = workload_reference("llama-8", tiny=True, sequence=8, global_batch=8)
     names = build_model(reference).model.pipeline_layers()  # type: ignore[operator]
