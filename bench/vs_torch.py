@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from quiet import percentile, require_quiet
+from quiet import Environment, percentile, require_quiet
 from torch.distributed.pipelining import PipelineStage, schedules
 
 from octopipe.capture import StageModule, pipeline_spec
@@ -101,7 +101,9 @@ def run_torch(name: str, reference: Any, m: int, steps: int) -> tuple[list[float
     return times, {r: per_rank[r]["cores"] for r in range(2)}
 
 
-def run_octopipe(name: str, reference: Any, m: int, steps: int, compile_: str = "eager") -> list[float]:
+def run_octopipe(
+    name: str, reference: Any, m: int, steps: int, compile_: str = "eager"
+) -> tuple[list[float], dict[int, list[int]]]:
     names = build_model(reference).model.pipeline_layers()  # type: ignore[operator]
     parts = equal_partition(names, len(torch_placement(name, 2)))
     if name == "Schedule1F1B":  # torch 2.13's 1F1B order is off by one on the last rank (it runs fine): use ours
@@ -109,7 +111,8 @@ def run_octopipe(name: str, reference: Any, m: int, steps: int, compile_: str = 
         plan.model.CopyFrom(reference)
     else:
         plan = torch_schedule_plan(name, num_ranks=2, num_microbatches=m, layer_names=parts, model=reference)
-    return measured_step_times_us(run_local(plan, RunOptions(steps=steps, timeout_s=900, compile=compile_)))
+    result = run_local(plan, RunOptions(steps=steps, timeout_s=900, compile=compile_))
+    return measured_step_times_us(result), {int(r): list(c) for r, c in result.cores.items()}
 
 
 def main() -> None:
@@ -125,6 +128,7 @@ def main() -> None:
     name_ = "vs_torch_compiled.json" if args.compile == "inductor" else "vs_torch.json"
     args.out = args.out or Path(__file__).parent / "results" / name_
     load_before = require_quiet()
+    environment = Environment()  # each launch's rank cores, checked distinct
     config = {"tiny": True, "sequence": 16} if args.tiny else {}
     reference = workload_reference(args.workload, **config)
     m = 8
@@ -132,8 +136,12 @@ def main() -> None:
     for name in args.schedules:
         measured: dict[str, list[float]] = {"torch": [], "octopipe": []}
         for _ in range(args.rounds):
-            measured["torch"] += run_torch(name, reference, m, args.steps)[0][1:]
-            measured["octopipe"] += run_octopipe(name, reference, m, args.steps, args.compile)[1:]
+            times, cores = run_torch(name, reference, m, args.steps)
+            measured["torch"] += times[1:]
+            environment.record(cores)
+            times, cores = run_octopipe(name, reference, m, args.steps, args.compile)
+            measured["octopipe"] += times[1:]
+            environment.record(cores)
         row: dict[str, Any] = {"schedule": name}
         for key, values in measured.items():
             row[key] = {"median_ms": statistics.median(values) / 1e3, "p10_ms": percentile(values, 0.1) / 1e3,
@@ -157,6 +165,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"workload": args.workload, "m": m, "compile": args.compile, "rows": rows}
     record["load_average_before"], record["load_average_after"] = list(load_before), list(os.getloadavg())
+    record["rank_cores_per_run"] = environment.runs
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"written: {args.out}")
 
