@@ -30,7 +30,15 @@ from octopipe.transform.executable import ForwardContext, StageExecutable, Weigh
 from octopipe.transform.fsdp import ShardConfig, ShardSpec, shard_parameters, shard_specs, unshard_tensor
 from octopipe.transform.fsdp_bucket import BucketPolicy, bucket_collectives, count_collectives
 from octopipe.transform.fsdp_split import NOT_HANDLED, FSDPGraphs, FSDPStage, ParamChain, split_fsdp
-from octopipe.transform.inductor import BACKENDS, Backend, CompileError, compile_stage_graphs, stage_backend
+from octopipe.transform.inductor import (
+    BACKENDS,
+    COMPILED_TOLERANCE,
+    Backend,
+    CompileError,
+    compile_stage_graphs,
+    compiled_tolerance,
+    stage_backend,
+)
 from octopipe.transform.multiplexing import CommOverlap, Multiplexed, OverlapReport, Simulation, multiplex, simulate
 from octopipe.transform.overlap import OverlapResult, OverlapStage
 from octopipe.transform.profiler import ProfilerConfig, format_profile, profile_layers, profile_stages, storage_bytes
@@ -42,6 +50,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 __all__ = [
     "BACKENDS",
+    "COMPILED_TOLERANCE",
     "CPU",
     "NOT_HANDLED",
     "AllocatorPeak",
@@ -80,6 +89,7 @@ __all__ = [
     "compile_fsdp_stage",
     "compile_stage",
     "compile_stage_graphs",
+    "compiled_tolerance",
     "count_collectives",
     "format_profile",
     "graph_flops",

@@ -15,6 +15,7 @@ multiplexed graphs by the pair of stages and the backward kind.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -28,7 +29,7 @@ from octopipe.transform.costs import roofline_costs
 from octopipe.transform.executable import StageExecutable
 from octopipe.transform.fsdp_bucket import BucketPolicy, bucket_collectives
 from octopipe.transform.fsdp_split import FSDPGraphs, FSDPStage, split_fsdp
-from octopipe.transform.inductor import Backend, compile_stage_graphs
+from octopipe.transform.inductor import Backend, CompileError, compile_graph, compile_stage_graphs
 from octopipe.transform.multiplexing import Multiplexed, multiplex
 from octopipe.transform.overlap import OverlapStage
 
@@ -82,8 +83,9 @@ class StageCompiler:
     config: CaptureConfig | None = None
     #: how a sharded stage's collectives are bucketed (default: one all-gather and one reduce-scatter per stage)
     buckets: BucketPolicy = field(default_factory=BucketPolicy)
-    #: ``inductor``: each stage's F, B, I and W graphs compiled (``transform.inductor``); ``fallback``: a graph
-    #: that fails to compile runs eagerly (with a warning) instead of raising CompileError
+    #: ``inductor``: each stage's F, B, I and W graphs, and each multiplexed OVERLAP_F_B graph, compiled
+    #: (``transform.inductor``); ``fallback``: a graph that fails to compile runs eagerly (with a warning)
+    #: instead of raising CompileError
     backend: Backend = "eager"
     fallback: bool = False
     _stages: dict[Hashable, CompiledStage] = field(default_factory=dict, repr=False)
@@ -145,11 +147,18 @@ class StageCompiler:
         return OverlapStage(forward, backward, backward=kind, multiplexed=graph)
 
     def multiplexed(
-        self, forward: StageGraphs, backward: StageGraphs, split: BWSplit, kind: BackwardKind
+        self,
+        forward: StageGraphs,
+        backward: StageGraphs,
+        split: BWSplit,
+        kind: BackwardKind,
+        *,
+        stages: tuple[int, int] | None = None,
     ) -> Multiplexed:
         """F of ``forward`` and the backward (``kind``; ``split`` is ``backward``'s B/W split) as one graph
         ordered for overlap; made once per pair of graphs and kind. A runtime calls it for the overlap pairs
-        its plan names when it starts the plan, so no graph is built mid-step."""
+        its plan names when it starts the plan, so no graph is built mid-step. ``stages`` (the F and the
+        backward stage's indices) names the graph in a compile error."""
         if kind not in ("full", "input"):
             raise ValueError(f"backward kind must be 'full' or 'input', got {kind!r}")
         key = (id(forward), id(backward), kind)
@@ -158,8 +167,24 @@ class StageCompiler:
             return cached[2]
         graph = backward.backward if kind == "full" else split.backward_input
         result = multiplex(forward.forward, graph, costs=roofline_costs())
+        if self.backend == "inductor":
+            result = dataclasses.replace(result, graph=self._compile_multiplexed(result.graph, kind, stages))
         self._multiplexed[key] = (forward, backward, result)  # holds the graphs, so their ids stay theirs
         return result
+
+    def _compile_multiplexed(
+        self, graph: torch.fx.GraphModule, kind: BackwardKind, stages: tuple[int, int] | None
+    ) -> torch.fx.GraphModule:
+        """The multiplexed graph compiled (in segments between its collectives, which keep their order)."""
+        pair = f"F of stage {stages[0]} with {'B' if kind == 'full' else 'I'} of stage {stages[1]}" if stages else ""
+        what = f"OVERLAP_F_B graph {pair or f'(F with the {kind} backward)'}"
+        try:
+            return compile_graph(graph, what)
+        except CompileError as exc:
+            if not self.fallback:
+                raise
+            warnings.warn(f"{exc}; running it eagerly (fallback asked for)", stacklevel=3)
+            return graph
 
 
 def compile_stage(

@@ -18,15 +18,22 @@ the ones the stage runs with. Inductor's on-disk cache
 temp dir) is shared by every process of the machine: the ranks and the
 profiler compile a graph once.
 
-Not compiled: the multiplexed OVERLAP_F_B graphs and the FSDP UNSHARD /
-REDUCE_GRAD graphs (collectives), which run eagerly.
+A graph that holds collectives (an MoE dispatch or combine under expert
+parallelism, or a multiplexed OVERLAP_F_B graph of such stages) is compiled
+in segments (:func:`compile_segments`): each run of compute between two
+collectives is one compiled graph, and the collectives and their waits run
+eagerly between them, in the graph's order. So the order the multiplexer
+chose (what is in flight while which compute runs) is kept, every rank issues
+its collectives in that order, and compiling issues no collective. The FSDP
+UNSHARD and REDUCE_GRAD graphs (collectives alone) run eagerly.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -35,12 +42,44 @@ from torch import fx
 
 from octopipe.capture import StageGraphs
 from octopipe.transform.bw_split import BWSplit
+from octopipe.transform.collectives import is_collective, is_wait
 
-__all__ = ["BACKENDS", "Backend", "CompileError", "compile_graph", "compile_stage_graphs", "stage_backend"]
+__all__ = [
+    "BACKENDS",
+    "COMPILED_TOLERANCE",
+    "Backend",
+    "CompileError",
+    "compile_graph",
+    "compile_segments",
+    "compile_stage_graphs",
+    "compiled_tolerance",
+    "stage_backend",
+]
 
 Backend = Literal["eager", "inductor"]
 #: the stage backends a run may name
 BACKENDS: tuple[Backend, ...] = ("eager", "inductor")
+
+
+#: how far a compiled graph's results may be from its eager graph's, by dtype: (atol, rtol), torch.testing's
+#: defaults. Inductor fuses and reorders arithmetic (a sum in another order, a fused multiply-add), so results
+#: agree to rounding, not bitwise; the tests hold compiled runs to these against the eager reference, and the
+#: numerics guard checks compiled stages with them.
+COMPILED_TOLERANCE: Mapping[torch.dtype, tuple[float, float]] = MappingProxyType(
+    {
+        torch.float64: (1e-7, 1e-7),
+        torch.float32: (1e-5, 1.3e-6),
+        torch.bfloat16: (1e-5, 1.6e-2),
+        torch.float16: (1e-5, 1e-3),
+    }
+)
+
+
+def compiled_tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(atol, rtol) for compiled results of ``dtype`` (:data:`COMPILED_TOLERANCE`); ValueError for others."""
+    if dtype not in COMPILED_TOLERANCE:
+        raise ValueError(f"no stated tolerance for compiled {dtype}: use one of {sorted(map(str, COMPILED_TOLERANCE))}")
+    return COMPILED_TOLERANCE[dtype]
 
 
 def stage_backend(name: str) -> Backend:
@@ -62,6 +101,18 @@ def _example(value: object, name: str) -> Any:
     if not isinstance(value, torch.Tensor):
         raise CompileError(f"placeholder {name!r} carries no traced tensor ('val'): cannot compile the graph")
     return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device).zero_()
+
+
+def _as_traced(value: Any, stride: tuple[int, ...]) -> Any:
+    """``value`` in the layout the graph was traced with (a copy only when its strides differ).
+
+    Inductor's code is specialised on its inputs' strides and checks them. An eager graph takes any
+    layout, and a value may arrive in another one than traced: a boundary tensor received contiguous
+    where the sender's output was a view, or an activation laid out differently by a compiled producer.
+    """
+    if not isinstance(value, torch.Tensor) or value.stride() == stride:
+        return value
+    return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device).copy_(value)
 
 
 def _flat(graph: fx.GraphModule) -> tuple[fx.GraphModule, pytree.TreeSpec]:
@@ -118,12 +169,23 @@ def _flat(graph: fx.GraphModule) -> tuple[fx.GraphModule, pytree.TreeSpec]:
     return fx.GraphModule(graph, copy), spec
 
 
+def _communicates(node: fx.Node) -> bool:
+    return is_collective(node) or is_wait(node)
+
+
 def compile_graph(graph: fx.GraphModule, what: str) -> fx.GraphModule:
     """``graph`` compiled by Inductor, as a graph module with the same graph and calling convention.
 
-    Raises :class:`CompileError` naming ``what`` (the stage and graph) if Inductor fails, or if the
-    compiled code does not return the eager graph's outputs (count, shapes, dtypes) on the example inputs.
+    A graph with collectives is compiled in segments (:func:`compile_segments`). Raises
+    :class:`CompileError` naming ``what`` (the stage and graph) if Inductor fails, or if the compiled
+    code does not return the eager graph's outputs (count, shapes, dtypes) on the example inputs.
     """
+    if any(_communicates(node) for node in graph.graph.nodes):
+        return compile_segments(graph, what)
+    return _compile_whole(graph, what)
+
+
+def _compile_whole(graph: fx.GraphModule, what: str) -> fx.GraphModule:
     from torch._inductor import compile as inductor_compile  # noqa: PLC0415 (imports the compiler stack)
 
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
@@ -132,8 +194,11 @@ def compile_graph(graph: fx.GraphModule, what: str) -> fx.GraphModule:
         example: list[Any] = [_example(n.meta.get("val"), n.name) for n in placeholders]
         compiled_flat = inductor_compile(flat, pytree.tree_leaves(example))
 
+        strides = [v.stride() for v in pytree.tree_leaves(example)]
+
         def compiled(*args: Any) -> Any:  # the eager graph's inputs and (possibly nested) outputs
-            return pytree.tree_unflatten(list(compiled_flat(*pytree.tree_leaves(args))), structure)
+            leaves = [_as_traced(v, stride) for v, stride in zip(pytree.tree_leaves(args), strides, strict=True)]
+            return pytree.tree_unflatten(list(compiled_flat(*leaves)), structure)
 
         got = compiled(*example)
     except CompileError as exc:
@@ -156,6 +221,67 @@ def compile_graph(graph: fx.GraphModule, what: str) -> fx.GraphModule:
     module = fx.GraphModule(graph, graph.graph)
     # an instance attribute: calls run the compiled code (GraphModule keeps its generated forward on the class)
     module.forward = compiled
+    return module
+
+
+def _segment(graph: fx.GraphModule, run: list[fx.Node], reads: list[fx.Node], results: list[fx.Node]) -> fx.GraphModule:
+    """``run`` (nodes of ``graph``) as a graph of its own: ``reads`` in, ``results`` out (a tuple)."""
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for read in reads:
+        holder = sub.placeholder(read.name)
+        holder.meta = dict(read.meta)
+        env[read] = holder
+    for node in run:
+        env[node] = sub.node_copy(node, lambda n: env[n])
+    sub.output(tuple(env[n] for n in results))
+    return fx.GraphModule(graph, sub)  # ``graph`` as the root: a constant (get_attr) of the run resolves
+
+
+def compile_segments(graph: fx.GraphModule, what: str) -> fx.GraphModule:
+    """``graph`` with each maximal run of compute between collectives compiled on its own.
+
+    The collectives and their ``wait_tensor`` calls stay in the top-level graph, eager and in their
+    order; a segment takes the values it reads from before it and returns those read after it. The
+    returned module has ``graph``'s graph and calling convention, like :func:`compile_graph`'s.
+    """
+    body = [n for n in graph.graph.nodes if n.op not in ("placeholder", "output")]
+    runs: list[list[fx.Node]] = []
+    for node in body:
+        if _communicates(node):
+            runs.append([node])
+        elif runs and not _communicates(runs[-1][0]):
+            runs[-1].append(node)
+        else:
+            runs.append([node])
+    top = fx.Graph()
+    root = torch.nn.Module()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = top.node_copy(node)
+    output = next(n for n in reversed(graph.graph.nodes) if n.op == "output")
+    segments = 0
+    for index, run in enumerate(runs):
+        if _communicates(run[0]):
+            env[run[0]] = top.node_copy(run[0], lambda n: env[n])
+            continue
+        inside = set(run)
+        later = {n for later_run in runs[index + 1 :] for n in later_run} | {output}
+        reads = list(dict.fromkeys(i for n in run for i in n.all_input_nodes if i not in inside))
+        results = [n for n in run if any(user in later for user in n.users)]
+        name = f"segment_{segments}"
+        root.add_module(name, compile_graph(_segment(graph, run, reads, results), f"{what}, segment {segments}"))
+        segments += 1
+        call = top.call_module(name, tuple(env[r] for r in reads))
+        for position, result in enumerate(results):
+            env[result] = top.call_function(operator.getitem, (call, position))
+            env[result].meta = dict(result.meta)
+    top.output(fx.map_arg(output.args[0], lambda n: env[n]))
+    runner = fx.GraphModule(root, top)
+    module = fx.GraphModule(graph, graph.graph)
+    module.forward = runner.forward  # the segments and collectives; ``graph`` stays the eager graph
+    module.segments = runner  # keeps the compiled segments reachable (and inspectable)
     return module
 
 

@@ -206,7 +206,11 @@ class RankRuntime:
             forward, backward = action.sub_actions
             kind: BackwardKind = "full" if backward.kind is ActionKind.FULL_BACKWARD else "input"
             self.compiler.multiplexed(
-                self._graphs(forward.stage), self._graphs(backward.stage), self._split(backward.stage), kind
+                self._graphs(forward.stage),
+                self._graphs(backward.stage),
+                self._split(backward.stage),
+                kind,
+                stages=(forward.stage, backward.stage),
             )
 
     def _restatic(self) -> None:

@@ -144,8 +144,12 @@ def guard(
     mine: Mapping[int, StageExecutable],
     microbatch: tuple[torch.Tensor, torch.Tensor],
     names: tuple[str, str],
+    *,
+    tolerance: tuple[float, float] = (0.0, 0.0),
 ) -> NumericsReport:
-    """``check_numerics`` on one micro-batch: this rank's stages as run, the others as written."""
+    """``check_numerics`` on one micro-batch: this rank's stages as run, the others as written.
+
+    ``tolerance`` (atol, rtol): bitwise by default; compiled stages are held to the compiled tolerance."""
 
     def runtime_forward(exe: StageExecutable) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]:
         return lambda values: exe.forward_all(values)[0]
@@ -161,7 +165,9 @@ def guard(
     forwards = [runtime_forward(mine[s]) if s in mine else eager_forward(stage) for s, stage in enumerate(whole.stages)]
     # no log here: a rank's stdout is the launching command's (``octopipe run --json``); the figures go back
     # in the rank's result (``RunResult.numerics``) and the launching process reports them
-    return check_numerics(whole.graph, whole.stages, model_inputs(names, *microbatch), forwards=forwards)
+    atol, rtol = tolerance
+    inputs = model_inputs(names, *microbatch)
+    return check_numerics(whole.graph, whole.stages, inputs, forwards=forwards, atol=atol, rtol=rtol)
 
 
 def guard_stages(
@@ -171,6 +177,8 @@ def guard_stages(
     names: tuple[str, str],
     boundaries: Boundaries,
     process_of_stage: Callable[[int], int],
+    *,
+    tolerance: tuple[float, float] = (0.0, 0.0),
 ) -> dict[str, float]:
     """The guard for a model loaded stage by stage (a collective: every rank, stage by stage): the holder of
     stage s runs it as the runtime does and as written on the same inputs and random state, refuses
@@ -193,7 +201,8 @@ def guard_stages(
                 with torch.no_grad():
                     out = stage(*values)
                 values = [out] if isinstance(out, torch.Tensor) else list(out)
-                figures[f"stage{s}_max_abs_diff"] = compare_outputs(s, stage, got, values)
+                atol, rtol = tolerance
+                figures[f"stage{s}_max_abs_diff"] = compare_outputs(s, stage, got, values, atol=atol, rtol=rtol)
                 if stage.is_last:
                     figures["pipelined_loss"] = float(got[0].item())
                 values = [v.contiguous() for v in values]

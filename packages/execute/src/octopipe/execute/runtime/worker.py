@@ -57,7 +57,7 @@ from octopipe.execute.runtime.whole_model import buffer_specs, guard, guard_stag
 from octopipe.ir import Program, compile_plan, stage_ranks
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform import Device, StageCompiler, StageExecutable, graph_flops
-from octopipe.transform.inductor import stage_backend
+from octopipe.transform.inductor import compiled_tolerance, stage_backend
 
 __all__ = ["StepEvents", "publish_plan", "worker_main"]
 
@@ -281,10 +281,12 @@ def _run_plan(
     numerics = None
     if whole is not None and config.numerics_check:  # refuse to train a pipeline that computes something else
         assert built.input_names is not None
+        # compiled stages agree with their own ops to rounding (Inductor reorders arithmetic): the stated tolerance
+        tolerance = compiled_tolerance(plan_dtype(plan)) if compiler.backend == "inductor" else (0.0, 0.0)
         if source is not None:  # no rank holds every weight: stage by stage, outputs passed on
-            numerics = guard_stages(whole, plain, first, built.input_names, boundaries, holder)
+            numerics = guard_stages(whole, plain, first, built.input_names, boundaries, holder, tolerance=tolerance)
         else:
-            report = guard(whole, plain, first, built.input_names)
+            report = guard(whole, plain, first, built.input_names, tolerance=tolerance)
             numerics = {"reference_loss": report.reference_loss, "pipelined_loss": report.pipelined_loss}
             numerics["seconds"] = report.seconds
     optimization = config.optimization
