@@ -30,7 +30,8 @@ CASES = [
     pytest.param("gemma3", "eager", marks=EXTENDED),
     ("gpt2", "sdpa"),
     ("gpt2", "eager"),  # its eager attention multiplies the KV cache's contiguous keys: captured as called
-    ("falcon_h1", "sdpa"),
+    # CI's budget (13 s): Mamba layers are captured bitwise by default in the zoo's jamba-8 and nemotronh runs
+    pytest.param("falcon_h1", "sdpa", marks=EXTENDED),
     pytest.param("falcon_h1", "eager", marks=EXTENDED),
     ("deepseek_v3", "sdpa"),
     pytest.param("deepseek_v3", "eager", marks=EXTENDED),

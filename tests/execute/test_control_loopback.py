@@ -15,6 +15,7 @@ from tests.execute.control_cluster import llama_plan
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.extended  # CI's budget (16 s): test_control_operator and test_control_faults run plans on daemons
 def test_two_daemons_run_a_plan_like_the_local_launcher(tmp_path: Path) -> None:
     plan = llama_plan()
     # the local launcher's losses are bitwise the single process's (test_runtime): the daemons' must be too

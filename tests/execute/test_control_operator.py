@@ -300,6 +300,7 @@ def test_stored_metrics_survive_a_torn_last_record(tmp_path: Path) -> None:
     assert store.load_metrics("r") == items
 
 
+@pytest.mark.extended  # CI's budget: the metrics of a finished run are checked by default; this follows a live one
 def test_metrics_follow_shows_every_step_of_a_running_run(
     cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -21,6 +21,7 @@ def test_fit_recovers_a_known_line() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI's budget: the README run command (test_demo) measures the same gloo link by default
 def test_measures_a_real_gloo_link() -> None:
     cost, points = measure_link(sizes=(4, 1 << 20, 4 << 20), repeats=3, timeout_s=120)
     assert [size for size, _ in points] == [4, 1 << 20, 4 << 20]
