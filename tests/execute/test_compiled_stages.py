@@ -23,7 +23,6 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from octopipe.capture import split_model
-from octopipe.examples.models import ModelConfig, expert_parallel, moe_decoder
 from octopipe.execute.runs import STAGE_BACKENDS
 from octopipe.execute.runtime import RunOptions, build_model, reference_run, run_local_many, workload_reference
 from octopipe.execute.runtime.pipeline import layer_names
@@ -42,7 +41,8 @@ from octopipe.transform.collectives import is_collective
 from octopipe.transform.inductor import compile_graph
 from octopipe.tune import dualpipe_v, equal_partition, one_f_one_b, zb_h1, zb_v
 from tests.execute.test_cli import OCTOPIPE
-from tests.transform.gloo import default_group, run_ranks
+from tests.transform.gloo import run_ranks
+from tests.transform.test_multiplex import ep_moe_stage
 
 M = 4
 
@@ -135,12 +135,7 @@ def _close(actual: list[torch.Tensor | None], expected: list[torch.Tensor | None
 
 
 def _compiled_ep_moe(rank: int, world: int) -> None:
-    torch.manual_seed(0)
-    model = expert_parallel(moe_decoder(2, ModelConfig.tiny()), default_group())
-    names = model.pipeline_layers()
-    stage = split_model(model, [names[:1], names[1:-1], names[-1:]])[1]
-    generator = torch.Generator().manual_seed(10 + rank)
-    x0, x1, grad = (torch.randn(2, 8, 32, generator=generator) for _ in range(3))
+    stage, x0, x1, grad = ep_moe_stage(rank)
     eager, inductor = StageCompiler(), StageCompiler(backend="inductor")
     exe_e = eager.executable(stage, [x0], stage_index=1)
     exe_c = inductor.executable(stage, [x0], stage_index=1)
@@ -210,6 +205,21 @@ def _plans(model: str) -> list[plan_pb2.Plan]:
     return plans
 
 
+def _compiled_sgd(steps: int) -> tuple[Optimization, RunOptions]:
+    """Compiled runs with plain SGD (learning rate 0.5, no decay) that keep their gradients and weights."""
+    optimization = Optimization(optimizer="sgd", learning_rate=0.5, weight_decay=0.0)
+    options = RunOptions(
+        steps=steps,
+        keep_grads=True,
+        keep_params=True,
+        timeout_s=900,
+        pin_cores=False,
+        compile="inductor",
+        optimization=optimization,
+    )
+    return optimization, options
+
+
 @pytest.mark.slow
 @pytest.mark.extended  # compiles each model's stages (cached on disk after the first run): 1-4 min a model
 @pytest.mark.parametrize("model", MODELS)
@@ -218,16 +228,7 @@ def test_compiled_runs_equal_the_eager_reference_and_each_other_bitwise(model: s
     # SGD, not AdamW: the weights after 3 steps fold in steps 2 and 3's gradients, and SGD carries a gradient's
     # rounding through at its size. AdamW divides by sqrt(v): for a weight whose gradient is near 0 it turns a
     # rounding-level difference into one of up to the learning rate (seen: 3e-5 on one MoE weight of 6144)
-    optimization = Optimization(optimizer="sgd", learning_rate=0.5, weight_decay=0.0)
-    options = RunOptions(
-        steps=3,
-        keep_grads=True,
-        keep_params=True,
-        timeout_s=900,
-        pin_cores=False,
-        compile="inductor",
-        optimization=optimization,
-    )
+    optimization, options = _compiled_sgd(steps=3)
     first = run_local_many(plans, options)
     second = run_local_many(plans, options)
     ref = reference_run(plans[0].model, num_microbatches=M, steps=3, optimization=optimization)
@@ -280,16 +281,7 @@ def test_a_compiled_bf16_pipeline_is_as_accurate_as_the_bf16_eager_reference() -
     plans = _plans("llama-8")
     for plan in plans:
         plan.precision.compute_dtype = "bfloat16"
-    optimization = Optimization(optimizer="sgd", learning_rate=0.5, weight_decay=0.0)
-    options = RunOptions(
-        steps=2,
-        keep_grads=True,
-        keep_params=True,
-        timeout_s=900,
-        pin_cores=False,
-        compile="inductor",
-        optimization=optimization,
-    )
+    optimization, options = _compiled_sgd(steps=2)
     runs = run_local_many([plans[0], plans[2]], options)
     bf16 = reference_run(plans[0].model, num_microbatches=M, steps=2, optimization=optimization, dtype=torch.bfloat16)
     fp32 = reference_run(plans[0].model, num_microbatches=M, steps=2, optimization=optimization)

@@ -67,13 +67,20 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _multiplexed_ep_moe(rank: int, world: int) -> None:
+def ep_moe_stage(rank: int) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The middle stage (2 expert-parallel MoE layers) of the tiny MoE decoder, and this rank's two
+    micro-batches and output gradient (inside ``run_ranks``: the experts are sharded over the world)."""
     torch.manual_seed(0)
     model = expert_parallel(moe_decoder(2, ModelConfig.tiny()), default_group())
     names = model.pipeline_layers()
     stage = split_model(model, [names[:1], names[1:-1], names[-1:]])[1]
     generator = torch.Generator().manual_seed(10 + rank)
     x0, x1, grad = (torch.randn(2, 8, 32, generator=generator) for _ in range(3))
+    return stage, x0, x1, grad
+
+
+def _multiplexed_ep_moe(rank: int, world: int) -> None:
+    stage, x0, x1, grad = ep_moe_stage(rank)
     exe = compile_stage(stage, [x0], stage_index=1)
     kinds: tuple[Literal["full", "input"], ...] = ("full", "input")
     for kind in kinds:

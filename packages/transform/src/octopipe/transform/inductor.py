@@ -42,7 +42,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from octopipe.capture import StageGraphs
-from octopipe.transform.bw_split import BWSplit
+from octopipe.transform.bw_split import BWSplit, _subgraph  # a run of nodes as a graph, as the B/W split cuts one
 from octopipe.transform.collectives import is_collective, is_wait
 
 __all__ = [
@@ -244,20 +244,6 @@ def _compile_whole(graph: fx.GraphModule, what: str) -> fx.GraphModule:
     return module
 
 
-def _segment(graph: fx.GraphModule, run: list[fx.Node], reads: list[fx.Node], results: list[fx.Node]) -> fx.GraphModule:
-    """``run`` (nodes of ``graph``) as a graph of its own: ``reads`` in, ``results`` out (a tuple)."""
-    sub = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for read in reads:
-        holder = sub.placeholder(read.name)
-        holder.meta = dict(read.meta)
-        env[read] = holder
-    for node in run:
-        env[node] = sub.node_copy(node, lambda n: env[n])
-    sub.output(tuple(env[n] for n in results))
-    return fx.GraphModule(graph, sub)  # ``graph`` as the root: a constant (get_attr) of the run resolves
-
-
 def compile_segments(graph: fx.GraphModule, what: str) -> fx.GraphModule:
     """``graph`` with each maximal run of compute between collectives compiled on its own.
 
@@ -291,7 +277,9 @@ def compile_segments(graph: fx.GraphModule, what: str) -> fx.GraphModule:
         reads = list(dict.fromkeys(i for n in run for i in n.all_input_nodes if i not in inside))
         results = [n for n in run if any(user in later for user in n.users)]
         name = f"segment_{segments}"
-        root.add_module(name, compile_graph(_segment(graph, run, reads, results), f"{what}, segment {segments}"))
+        root.add_module(
+            name, compile_graph(_subgraph(graph, set(run), reads, list(results)), f"{what}, segment {segments}")
+        )
         segments += 1
         call = top.call_module(name, tuple(env[r] for r in reads))
         for position, result in enumerate(results):
