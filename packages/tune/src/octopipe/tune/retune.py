@@ -26,11 +26,12 @@ from octopipe.ir import PlanError, StageSpec, add_p2p_actions, build_plan, stage
 from octopipe.node.v1 import node_pb2
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import CostModel, calibrate_profile, local_cost_model, simulate
+from octopipe.simulate import CostModel, calibrate_profile, local_cost_model, local_link, simulate
 from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
+from octopipe.tune.optimizer import TuneConfig, TuneResult, tune
 from octopipe.tune.registry import DEFAULT_SCHEDULES, ScheduleRegistry
 
-__all__ = ["CURRENT", "Retune", "calibrated_costs", "measured_gain", "retune", "retune_candidates"]
+__all__ = ["CURRENT", "Retune", "calibrated_costs", "measured_gain", "replan", "retune", "retune_candidates"]
 
 #: the name of the running plan among :attr:`Retune.candidates`
 CURRENT = "current"
@@ -141,6 +142,39 @@ def retune(
     return Retune(
         plan=chosen, name=best_name, current_us=current_us, best_us=best_us, candidates=predicted, skipped=skipped
     )
+
+
+def replan(
+    plan: plan_pb2.Plan,
+    profile: profile_pb2.Profile,
+    timelines: Iterable[profile_pb2.RankTimeline],
+    num_ranks: int,
+    *,
+    memory_cap_bytes: int | None = None,
+    time_budget_s: float = 20.0,
+) -> TuneResult:
+    """Re-tune partition x placement x schedule of ``plan``'s layers for ``num_ranks`` ranks (a run that lost
+    nodes): ``profile`` calibrated by the run's measured ``timelines`` of ``plan`` when there are any, the same
+    micro-batch count, the local link, ``memory_cap_bytes`` per rank (None: the tuner's default). The
+    returned plan carries ``plan``'s model, precision and a ``schedule`` label; raises ValueError when no plan
+    fits."""
+    measured = list(timelines)
+    calibrated = calibrate_profile(profile, plan, measured).profile if measured else profile
+    result = tune(
+        calibrated,
+        TuneConfig(
+            num_ranks=num_ranks,
+            num_microbatches=plan.num_microbatches,
+            memory_cap_bytes=memory_cap_bytes,
+            default_link=local_link(calibrated),
+            time_budget_s=time_budget_s,
+        ),
+    )
+    result.plan.model.CopyFrom(plan.model)
+    if plan.HasField("precision"):
+        result.plan.precision.CopyFrom(plan.precision)
+    result.plan.labels["schedule"] = result.plan.labels.get("schedule") or result.plan.name
+    return result
 
 
 def measured_gain(metrics: Iterable[node_pb2.StepMetrics]) -> tuple[float, float] | None:

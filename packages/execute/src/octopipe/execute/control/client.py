@@ -68,15 +68,32 @@ class ControlClient:
         adapt_after_steps: int = 0,
         profile: profile_pb2.Profile | None = None,
         device: str = "",
+        checkpoint_async: bool = False,
+        checkpoint_keep: int = 0,
+        recovery: coordinator_pb2.RecoveryPolicy | None = None,
+        queue_deadline_s: float = 0.0,
     ) -> str:
         """Submit a plan; with ``adapt_profile`` the coordinator re-tunes it from measured steps (closed loop);
         with ``profile`` (or ``adapt_profile``) it predicts the step time (``Run.predicted_step_time_us``);
-        ``device`` ``cuda`` places the ranks on the nodes' GPUs."""
+        ``device`` ``cuda`` places the ranks on the nodes' GPUs. ``checkpoint_async`` writes checkpoints in
+        the background, ``checkpoint_keep`` keeps the newest that many; ``recovery`` heals the run when it
+        loses a node or a rank (re-planning needs ``profile``); ``queue_deadline_s`` fails it if it cannot
+        be placed for that long."""
         if adapt_profile is not None and profile is not None:
             raise ValueError("give the profile once: adapt_profile is also the one the prediction uses")
         request = coordinator_pb2.SubmitPlanRequest(
-            plan=plan, num_steps=steps, run_id=run_id, checkpoint_every=checkpoint_every, seed=seed, device=device
+            plan=plan,
+            num_steps=steps,
+            run_id=run_id,
+            checkpoint_every=checkpoint_every,
+            seed=seed,
+            device=device,
+            checkpoint_async=checkpoint_async,
+            checkpoint_keep=checkpoint_keep,
+            queue_deadline_s=queue_deadline_s,
         )
+        if recovery is not None:
+            request.recovery.CopyFrom(recovery)
         if adapt_profile is not None:
             request.adapt, request.adapt_after_steps = True, adapt_after_steps
             request.profile.CopyFrom(adapt_profile)

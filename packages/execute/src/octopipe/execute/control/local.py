@@ -10,6 +10,7 @@ added, so any node id works.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import subprocess
 import sys
 import time
@@ -164,6 +165,15 @@ class LocalCluster:
                 metrics = client.metrics(run_id, timeout_s=60)
                 results.append(result_from_metrics(plan, metrics, wall_s=time.monotonic() - started))
         return results
+
+    def restart_coordinator(self) -> Coordinator:
+        """Stop the coordinator and start a new one on the same state folder and address (the daemons
+        re-register when their heartbeats are refused); the new one."""
+        port = int(self.coordinator.address.rsplit(":", 1)[1])
+        self.coordinator.stop()
+        self.config = dataclasses.replace(self.config, listen_port=port)
+        self.coordinator = Coordinator(self.config).start()
+        return self.coordinator
 
     def rank_pids(self, node_id: str) -> list[int]:
         """The process ids of every rank a node started (each rank writes ``rank<r>.pid``)."""

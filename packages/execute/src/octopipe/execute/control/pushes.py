@@ -91,6 +91,8 @@ class RunPusher:
                 resume=bool(run.resumes and run.last_checkpoint_step),
                 seed=submit.seed,
                 adaptive=submit.adapt,
+                checkpoint_async=submit.checkpoint_async,
+                checkpoint_keep=submit.checkpoint_keep,
             )
             sent_at = time.perf_counter()
             try:
@@ -114,7 +116,7 @@ class RunPusher:
                 latency_ms=round((time.perf_counter() - sent_at) * 1e3, 3),
             )
         for node_id in order:
-            self._follow(run.run_id, node_id, addresses[node_id])
+            self.follow(run.run_id, node_id, addresses[node_id])
         return ""
 
     def switch(
@@ -136,7 +138,9 @@ class RunPusher:
         self._log.info("plan_switched", run=run.run_id, version=run.plan_version, schedule=plan.labels.get("schedule"))
         return ""
 
-    def _follow(self, run_id: str, node_id: str, address: str) -> None:
+    def follow(self, run_id: str, node_id: str, address: str) -> None:
+        """Keep the run's metrics from ``node_id``'s stream, on a thread, until the stream ends."""
+
         def follow() -> None:
             try:
                 for response in self.stub(node_id, address).StreamNodeMetrics(

@@ -7,6 +7,7 @@ simulator's static verifier (deadlocks, missing inputs, unmatched sends).
 
 from __future__ import annotations
 
+import math
 import re
 
 from octopipe.coordinator.v1 import coordinator_pb2
@@ -21,6 +22,7 @@ __all__ = [
     "MAX_RANKS",
     "adapt_problem",
     "check_plan",
+    "options_problem",
     "profile_problem",
     "run_id_problem",
 ]
@@ -93,4 +95,20 @@ def adapt_problem(request: coordinator_pb2.SubmitPlanRequest) -> str:
         return problem
     if request.num_steps and request.num_steps <= (request.adapt_after_steps or 3) + 1:
         return "adapt needs more steps than adapt_after_steps + 1 to measure before switching"
+    return ""
+
+
+def options_problem(request: coordinator_pb2.SubmitPlanRequest) -> str:
+    """What is wrong with a submission's checkpoint, recovery and deadline options (empty when nothing)."""
+    if (request.checkpoint_async or request.checkpoint_keep) and not request.checkpoint_every:
+        return "checkpoint_async and checkpoint_keep need checkpoint_every > 0 (steps between checkpoints)"
+    policy = request.recovery
+    for name, value in (
+        ("queue_deadline_s", request.queue_deadline_s),
+        ("recovery.wait_for_replacement_s", policy.wait_for_replacement_s),
+    ):
+        if not math.isfinite(value) or value < 0:
+            return f"{name} must be a finite number of seconds >= 0, got {value}"
+    if (policy.wait_for_replacement_s or policy.max_recoveries or policy.memory_cap_bytes) and not policy.automatic:
+        return "the recovery policy sets limits but not automatic: set recovery.automatic (--recover) to use them"
     return ""

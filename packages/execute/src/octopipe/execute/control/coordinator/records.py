@@ -74,6 +74,12 @@ class RunRecord:
     done_seen_at: float = 0.0
     #: since when the run has needed more slots than the live nodes have (None: it would fit)
     unfit_since: float | None = None
+    #: recovering since (monotonic; None: not recovering), and whether its re-plan is being tuned
+    recovering_since: float | None = None
+    replanning: bool = False
+    #: metrics restored from disk after a coordinator restart (serialized): a node's stream, followed again,
+    #: replays them, and they are not kept twice
+    restored_metrics: set[bytes] = field(default_factory=set)
 
 
 class Records:
@@ -92,6 +98,11 @@ class Records:
             entry = RunRecord(submit=submit, run=run, plan=submit.plan)
             if run.state in (node_pb2.RUN_STATE_STARTING, node_pb2.RUN_STATE_RUNNING):
                 entry.restored_at = time.monotonic()
+            if run.state == node_pb2.RUN_STATE_RECOVERING:
+                entry.recovering_since = time.monotonic()
+            if run.state not in TERMINAL_STATES:  # its streams go on where they were: earlier metrics first
+                entry.metrics = self._store.load_metrics(run.run_id)[:_MAX_RUN_METRICS]
+                entry.restored_metrics = {m.SerializeToString(deterministic=True) for m in entry.metrics}
             self.runs[run.run_id] = entry
         if self.runs:
             self.log.info("runs_restored", runs=len(self.runs))
@@ -135,6 +146,8 @@ class Records:
             entry = self.runs.get(run_id)
             if entry is None:
                 return
+            if entry.restored_metrics and metrics.SerializeToString(deterministic=True) in entry.restored_metrics:
+                return  # a node's stream, followed again after a restart, replays what the store has
             self._store.append_metrics(run_id, metrics)
             if len(entry.metrics) < _MAX_RUN_METRICS:
                 entry.metrics.append(metrics)

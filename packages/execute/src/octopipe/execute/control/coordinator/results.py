@@ -3,6 +3,7 @@ shows them and ``GetRun`` returns them; and the step time the simulator predicts
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable
 
 from octopipe.ir import mesh_spec
@@ -11,7 +12,7 @@ from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import local_cost_model, simulate
 
-__all__ = ["predicted_step_us", "step_results"]
+__all__ = ["predicted_step_us", "recovered_step_us", "step_results"]
 
 
 def predicted_step_us(plan: plan_pb2.Plan, profile: profile_pb2.Profile) -> float:
@@ -26,22 +27,35 @@ def predicted_step_us(plan: plan_pb2.Plan, profile: profile_pb2.Profile) -> floa
 def step_results(plan: plan_pb2.Plan, metrics: Iterable[node_pb2.StepMetrics]) -> tuple[list[float], list[float]]:
     """(losses, step times in us) per step every rank reported, in step order.
 
-    The loss is the last stage's, summed over the data-parallel replicas in replica order and divided by
-    their number (as the local launcher reports it); the step time is the slowest rank's. A step run
-    again after a resume counts its latest report.
+    The loss is the mean of the losses the step's reports carry (the last stage's, one per data-parallel
+    replica, in replica order, as the local launcher reports it); the step time is the slowest rank's. A step
+    run again after a resume or a recovery counts its latest attempt's reports (the highest ``plan_version``),
+    so steps before a recovery keep the plan that ran them. A step of ``plan``'s attempt counts once every
+    one of its ranks reported.
     """
     mesh = mesh_spec(plan)
-    last = plan.stages[-1].rank
-    loss_ranks = [mesh.global_rank(last, d) for d in range(mesh.dp)]
-    by_step: dict[int, dict[int, node_pb2.StepMetrics]] = {}
+    by_step: dict[int, dict[int, dict[int, node_pb2.StepMetrics]]] = {}
     for item in metrics:
-        by_step.setdefault(item.step, {})[item.rank] = item
+        by_step.setdefault(item.step, {}).setdefault(item.plan_version, {})[item.rank] = item
+    current = max((v for attempts in by_step.values() for v in attempts), default=0)
     losses, times = [], []
     for step in sorted(by_step):
-        reports = by_step[step]
-        if len(reports) < mesh.world_size or any(r not in reports for r in loss_ranks):
-            continue  # a step not every rank has reported yet
-        values = [reports[r].loss for r in loss_ranks]
-        losses.append(sum(values) / mesh.dp if mesh.dp > 1 else values[0])
+        version = max(by_step[step])
+        reports = by_step[step][version]
+        if version == current and len(reports) < mesh.world_size:
+            continue  # a step not every rank of the running attempt has reported yet
+        values = [reports[r].loss for r in sorted(reports) if reports[r].HasField("loss")]
+        if not values:
+            continue
+        losses.append(sum(values) / len(values))
         times.append(max(r.step_duration_us for r in reports.values()))
     return losses, times
+
+
+def recovered_step_us(metrics: Iterable[node_pb2.StepMetrics], version: int) -> float:
+    """The median step time (the slowest rank's, us) of the steps attempt ``version`` ran; 0 when none."""
+    by_step: dict[int, float] = {}
+    for item in metrics:
+        if item.plan_version == version:
+            by_step[item.step] = max(by_step.get(item.step, 0.0), item.step_duration_us)
+    return statistics.median(by_step.values()) if by_step else 0.0

@@ -22,6 +22,7 @@ from octopipe.execute.control.coordinator.records import (
     RunRecord,
     placement_of,
 )
+from octopipe.execute.control.coordinator.recovery import Recoveries
 from octopipe.execute.control.pushes import RunPusher
 from octopipe.execute.devices import capacity, is_gpu
 from octopipe.ir import mesh_spec
@@ -38,11 +39,14 @@ class RunScheduler:
         self._pusher = pusher
         self._closed_loop = closed_loop
         self._config = config
+        self._recoveries = Recoveries(records, pusher, config)
 
     def tick(self) -> None:
-        """One pass: dead nodes, restored runs nobody reported, the oldest queued run, the closed loop."""
+        """One pass: dead nodes, restored runs nobody reported, recovering runs, the oldest queued run, the
+        closed loop."""
         self._check_nodes()
         self._check_restored()
+        self._recoveries.check()
         self._start_queued()
         self._closed_loop.check()
 
@@ -88,10 +92,13 @@ class RunScheduler:
         if entry.restored_at is not None and node.node_id in run.rank_nodes:
             entry.restored_at = None
             entry.placement = placement_of(run)
+            for node_id in entry.placement:  # the metrics streams of a run re-attached after a restart
+                if node_id in records.nodes:
+                    self._pusher.follow(run.run_id, node_id, records.nodes[node_id].address)
         if node.node_id not in entry.placement:
             return
         if status.state == node_pb2.RUN_STATE_FAILED:
-            self.fail(entry, status.error or f"node {node.node_id} reported the run failed")
+            self.fail_or_recover(entry, status.error or f"node {node.node_id} reported the run failed")
             return
         reports = [records.nodes[n].status for n in entry.placement if n in records.nodes]
         steps = [s.completed_steps for s in reports if s.run_id == run.run_id and s.plan_version == run.plan_version]
@@ -99,6 +106,7 @@ class RunScheduler:
             run.completed_steps = min(steps)
             if run.checkpoint_dir:  # as steps pass, not only at the end (a complete checkpoint has every rank's)
                 run.last_checkpoint_step = latest_checkpoint(run.checkpoint_dir)
+            self._recoveries.progressed(entry)
             records.save(entry)
         states = {s.state for s in reports if s.run_id == run.run_id and s.plan_version == run.plan_version}
         if len(reports) == len(entry.placement) and states == {node_pb2.RUN_STATE_DONE}:
@@ -108,6 +116,7 @@ class RunScheduler:
             entry.placement = {}
             if entry.submit.adapt:
                 self._closed_loop.report_gain(entry)
+            self._recoveries.finished(entry)
             records.set_state(entry, node_pb2.RUN_STATE_DONE)
         elif run.state == node_pb2.RUN_STATE_STARTING and node_pb2.RUN_STATE_RUNNING in states:
             records.set_state(entry, node_pb2.RUN_STATE_RUNNING)
@@ -127,9 +136,10 @@ class RunScheduler:
                     )
                     for entry in records.runs.values():
                         if node.node_id in entry.placement and entry.run.state not in TERMINAL_STATES:
-                            self.fail(entry, cause)
+                            self.fail_or_recover(entry, cause)
                         elif node.node_id in entry.failed_nodes and now - entry.failed_at < 2 * silent + 5:
                             # the run already failed through a rank that lost its peer: name the root cause
+                            self._recoveries.name_cause(entry, cause)
                             records.set_state(entry, entry.run.state, f"{cause}; first report: {entry.run.error}")
                             entry.failed_nodes = {}
 
@@ -140,7 +150,15 @@ class RunScheduler:
             for entry in self._records.runs.values():
                 if entry.restored_at is not None and now - entry.restored_at > self._config.recover_after_s:
                     entry.restored_at = None
-                    self.fail(entry, "the coordinator restarted and no node of the run reported it running: resume it")
+                    self.fail_or_recover(
+                        entry, "the coordinator restarted and no node of the run reported it running: resume it"
+                    )
+
+    def fail_or_recover(self, entry: RunRecord, error: str) -> None:
+        """Recover the run if its policy says so, else fail it (called with the lock held)."""
+        why_not = self._recoveries.begin(entry, error)
+        if why_not:
+            self.fail(entry, error if why_not == "no automatic recovery" else f"{error}; {why_not}")
 
     def fail(self, entry: RunRecord, error: str) -> None:
         """Mark the run failed and stop it on every node it has (called with the lock held)."""
@@ -203,7 +221,10 @@ class RunScheduler:
         error = self._pusher.push(entry.run, entry.submit, entry.plan, placement, addresses)
         with records.lock:
             if error:
-                self.fail(entry, error)
+                self.fail_or_recover(entry, error)
+            elif entry.run.state not in TERMINAL_STATES:
+                self._recoveries.placed(entry)
+                records.save(entry)
             elif entry.run.state in TERMINAL_STATES:  # cancelled while the pushes were in flight: a stop sent
                 # then may have reached a node before its push did, so stop every pushed node again
                 self._pusher.stop_async(entry.run.run_id, addresses, entry.run.error or "cancelled")
@@ -218,7 +239,7 @@ class RunScheduler:
         reason = f"waiting for {world} {unit}: {registered} registered on {len(alive)} live nodes, {free} idle"
         if registered < world:
             entry.unfit_since = entry.unfit_since if entry.unfit_since is not None else now
-            limit = self._config.never_fits_after_s
+            limit = entry.submit.queue_deadline_s or self._config.never_fits_after_s
             if now - entry.unfit_since > limit:
                 entry.unfit_since = None
                 self.fail(

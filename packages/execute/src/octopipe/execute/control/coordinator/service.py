@@ -29,7 +29,13 @@ from octopipe.execute.control.coordinator.scheduler import RunScheduler
 from octopipe.execute.control.pushes import RunPusher
 from octopipe.execute.control.security import ADMIN, COORDINATOR, NODE, CertPaths, Claims, require_identity
 from octopipe.execute.control.state import StateLock
-from octopipe.execute.control.submission import adapt_problem, check_plan, profile_problem, run_id_problem
+from octopipe.execute.control.submission import (
+    adapt_problem,
+    check_plan,
+    options_problem,
+    profile_problem,
+    run_id_problem,
+)
 from octopipe.execute.devices import is_gpu, submission_problem
 from octopipe.node.v1 import node_pb2
 
@@ -165,7 +171,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
         problem = run_id_problem(request.run_id) if request.run_id else ""
         if not problem and request.num_steps < 1:
             problem = "num_steps must be at least 1 (a run of no steps does nothing)"
-        problem = problem or check_plan(request.plan, num_steps=request.num_steps)
+        problem = problem or options_problem(request) or check_plan(request.plan, num_steps=request.num_steps)
         if not problem:
             problem = submission_problem(request.device)
         if not problem and request.adapt:
