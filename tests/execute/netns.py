@@ -79,3 +79,8 @@ def hosts(count: int = 2, subnet: str = "10.213.0") -> Iterator[tuple[str, list[
 def cut(host: Host) -> None:
     """Take the host's link down at the bridge: its packets stop, its processes live on."""
     _ip("link", "set", host.peer, "down")
+
+
+def mend(host: Host) -> None:
+    """Bring a cut host's link back up."""
+    _ip("link", "set", host.peer, "up")

@@ -63,3 +63,37 @@ def test_two_hosts_run_a_plan_and_a_cut_link_stops_everything(tmp_path: Path) ->
             assert not [pid for pid in pids if process_alive(pid)], "ranks left running after the cut"
         finally:
             running.stop()
+
+
+def test_a_cut_link_is_healed_onto_the_host_that_remains_bitwise(tmp_path: Path) -> None:
+    from octopipe.execute.runtime.checkpoint import read_checkpoint
+    from tests.execute.test_control_faults import assert_same_weights
+    from tests.execute.test_control_recovery import AUTOMATIC, STEPS, all_metrics, check_losses, profile_of
+
+    plan = llama_plan(2, 4)
+    options = {"steps": STEPS, "checkpoint_every": 1, "profile": profile_of(plan), "recovery": AUTOMATIC}
+    with netns.hosts(2, subnet="10.214.0") as (gateway, hosts):
+        running = LocalCluster(tmp_path, listen_host=gateway, hosts=[gateway, *(h.address for h in hosts)])
+        try:
+            for index, host in enumerate(hosts):
+                running.node_process(f"host{index}", prefix=host.prefix, listen=f"{host.address}:0")
+            with running.client() as client:
+                clean_id = client.submit(plan, run_id="clean", **options)  # type: ignore[arg-type]
+                assert client.wait(clean_id, timeout_s=180).state == node_pb2.RUN_STATE_DONE
+                run_id = client.submit(plan, run_id="cut", **options)  # type: ignore[arg-type]
+                for run in client.watch(run_id, timeout_s=120):
+                    if run.completed_steps >= 1:
+                        break
+                netns.cut(hosts[1])
+                client.wait(run_id, timeout_s=180)
+                run, clean = client.run(run_id), client.run(clean_id)
+                metrics = all_metrics(client, run_id)
+        finally:
+            running.stop()
+    assert run.state == node_pb2.RUN_STATE_DONE, run.error
+    assert len(run.recoveries) == 1 and "node host1" in run.recoveries[0].cause, run.recoveries
+    assert run.recoveries[0].kind == "replan" and list(run.recoveries[0].new_rank_nodes) == ["host0"]
+    assert run.recoveries[0].resumed_from_step < STEPS
+    check_losses(metrics, clean, run)
+    root = running.config.state_dir / "checkpoints"
+    assert_same_weights(read_checkpoint(root / "clean", STEPS), read_checkpoint(root / "cut", STEPS))

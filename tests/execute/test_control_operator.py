@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from octopipe.coordinator.v1 import coordinator_pb2
 from octopipe.execute.cli import EXIT_TIMED_OUT, EXIT_USAGE, main
 from octopipe.execute.control import (
     ControlError,
@@ -215,6 +216,23 @@ def test_a_run_that_never_fits_fails_after_the_stated_time(tmp_path: Path) -> No
             run = client.wait(run_id, timeout_s=30)
         assert run.state == node_pb2.RUN_STATE_FAILED
         assert "the run needs 2 slots but the live nodes have 1, for over 1 s" in run.error
+
+
+def test_a_runs_own_queue_deadline_and_bad_recovery_options_are_refused_or_kept(tmp_path: Path) -> None:
+    with LocalCluster(tmp_path) as small:  # the coordinator's default: 600 s
+        small.add_node("only")
+        with small.client() as client:
+            run_id = client.submit(llama_plan(2, 4), steps=1, queue_deadline_s=0.5)
+            run = client.wait(run_id, timeout_s=30)
+            assert run.state == node_pb2.RUN_STATE_FAILED
+            assert "the run needs 2 slots but the live nodes have 1, for over 0.5 s" in run.error
+            with pytest.raises(ControlError, match="queue_deadline_s must be a finite number of seconds >= 0"):
+                client.submit(llama_plan(1, 4), steps=1, queue_deadline_s=-1)
+            with pytest.raises(ControlError, match="checkpoint_async and checkpoint_keep need checkpoint_every"):
+                client.submit(llama_plan(1, 4), steps=1, checkpoint_async=True)
+            lax = coordinator_pb2.RecoveryPolicy(wait_for_replacement_s=5)
+            with pytest.raises(ControlError, match="sets limits but not automatic"):
+                client.submit(llama_plan(1, 4), steps=1, recovery=lax)
 
 
 def test_runs_and_nodes_as_json_are_lists_even_when_empty(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,6 +15,7 @@ from octopipe.execute.control.client import ControlClient
 from octopipe.execute.runtime.checkpoint import read_checkpoint
 from octopipe.execute.runtime.pipeline import profile_reference
 from octopipe.node.v1 import node_pb2
+from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from tests.execute.control_cluster import llama_plan
 from tests.execute.test_control_faults import assert_same_weights, wait_for_step
@@ -25,10 +26,14 @@ STEPS, EVERY = 16, 1
 AUTOMATIC = coordinator_pb2.RecoveryPolicy(automatic=True)
 
 
+def profile_of(plan: plan_pb2.Plan) -> profile_pb2.Profile:
+    """The plan's model profiled on this machine (what `octopipe profile` measures; re-planning needs it)."""
+    return profile_reference(plan.model, num_microbatches=plan.num_microbatches, repeats=2)
+
+
 @pytest.fixture(scope="module")
 def profile() -> profile_pb2.Profile:
-    plan = llama_plan(2, 4)
-    return profile_reference(plan.model, num_microbatches=plan.num_microbatches, repeats=2)
+    return profile_of(llama_plan(2, 4))
 
 
 def wait_for_state(client: ControlClient, run_id: str, state: int, timeout_s: float = 60) -> coordinator_pb2.Run:

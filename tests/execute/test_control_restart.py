@@ -1,8 +1,9 @@
-"""A coordinator restart loses no run: records come back from its state folder and a running run is
-re-attached when its nodes heartbeat again."""
+"""A coordinator restart loses no run: records come back from its state folder, a running run is re-attached
+when its nodes heartbeat again, and its metrics stream holds every step, from before the restart and after."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,12 @@ def test_a_restarted_coordinator_keeps_its_runs_and_reattaches_a_running_one(tmp
             run = client.wait("long", timeout_s=180)
             assert run.state == node_pb2.RUN_STATE_DONE, run.error
             assert run.completed_steps == 12
+            # the metrics stream after the restart: those from before it (from the state folder), then the rest
+            # (the node's stream followed again; what it replays is not kept twice)
+            deadline = time.monotonic() + 10
+            while len(seen := [(m.rank, m.step) for m in client.metrics("long")]) < 24 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert sorted(seen) == [(rank, step) for rank in range(2) for step in range(12)]
     finally:
         node.stop()
         coordinator.stop()

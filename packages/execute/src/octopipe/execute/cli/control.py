@@ -14,11 +14,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from google.protobuf import json_format
-
+from octopipe.coordinator.v1 import coordinator_pb2
 from octopipe.execute.cli.connect import certs_option, client_options, err, out, run_id_arg, with_client
 from octopipe.execute.cli.errors import EXIT_RUN_FAILED, EXIT_USAGE
 from octopipe.execute.cli.profile import load_profile
+from octopipe.execute.cli.run_view import as_dict, print_run, print_runs
 from octopipe.execute.devices import RUN_DEVICES
 from octopipe.ir import load_plan
 from octopipe.node.v1 import node_pb2
@@ -128,6 +128,12 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
         "--checkpoint-root", type=Path, help="shared storage for run checkpoints (default: STATE_DIR/checkpoints)"
     )
     coordinator.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence = node lost")
+    coordinator.add_argument(
+        "--never-fits-after",
+        type=_seconds,
+        default=600.0,
+        help="fail a queued run that needs more slots than the live nodes have after this long (default: 600)",
+    )
     coordinator.set_defaults(handler=_coordinator)
 
     node = sub.add_parser("node", help="run a node daemon: registers with the coordinator and runs ranks")
@@ -179,6 +185,33 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     )
     submit.add_argument(
         "--adapt-after", type=_count(0), default=0, help="steps to measure before re-tuning (default 0: 3 steps)"
+    )
+    submit.add_argument(
+        "--checkpoint-async", action="store_true", help="write checkpoints in the background (default: off)"
+    )
+    submit.add_argument(
+        "--checkpoint-keep", type=_count(0), default=0, help="keep the newest N checkpoints (default 0: all)"
+    )
+    submit.add_argument(
+        "--recover",
+        action="store_true",
+        help="heal the run on a lost node, rank or link: same plan when the slots come back, else re-planned "
+        "for the slots that remain (needs --profile), from the last checkpoint (default: off, the run fails)",
+    )
+    submit.add_argument(
+        "--wait-for-replacement",
+        type=_seconds,
+        default=0.0,
+        help="--recover: wait this long for a replacement before re-planning (default: 0)",
+    )
+    submit.add_argument(
+        "--max-recoveries", type=_count(0), default=0, help="--recover: give up after N recoveries (default: 0, 3)"
+    )
+    submit.add_argument(
+        "--queue-deadline",
+        type=_seconds,
+        default=0.0,
+        help="fail the run if it cannot be placed for this long (default: 0, the coordinator's --never-fits-after)",
     )
     submit.set_defaults(handler=_submit)
 
@@ -317,6 +350,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         checkpoint_root=args.checkpoint_root,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        never_fits_after_s=args.never_fits_after,
     )
     return _serve(lambda: Coordinator(config).start(), "coordinator listening on {}")
 
@@ -343,84 +377,9 @@ def _node(args: argparse.Namespace) -> int:
     return _serve(lambda: NodeDaemon(config).start(), f"node {args.node_id} serving on {{}}")
 
 
-def _as_dict(message: Any) -> dict[str, Any]:
-    """A proto message as JSON values: its field names, every field present (zeros and empty lists too)."""
-    result: dict[str, Any] = json_format.MessageToDict(
-        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
-    return result
-
-
-def _run_dict(run: Any) -> dict[str, Any]:
-    """A run as JSON: proto field names, the state as the table shows it (``done``, not ``RUN_STATE_DONE``)."""
-    from octopipe.execute.control.common import state_name  # noqa: PLC0415 - keeps `octopipe --help` fast
-
-    data = _as_dict(run)
-    data["state"] = state_name(run.state)
-    return data
-
-
-_RUN_HEADER = f"{'RUN':<16} {'STATE':<10} {'VERSION':>7} {'STEPS':>11} {'CHECKPOINT':>10}  NOTE"
-
-
-def _run_row(run: Any) -> str:
-    from octopipe.execute.control.common import state_name  # noqa: PLC0415 - keeps `octopipe --help` fast
-
-    note = run.error or run.waiting_for or ""
-    if run.adapt_report:
-        note = f"{note}  adapt: {run.adapt_report}".strip()
-    steps = f"{run.completed_steps}/{run.num_steps}"
-    checkpoint = str(run.last_checkpoint_step) if run.last_checkpoint_step else "-"
-    return f"{run.run_id:<16} {state_name(run.state):<10} {run.plan_version:>7} {steps:>11} {checkpoint:>10}  {note}"
-
-
-def _print_run(run: Any, as_json: bool) -> None:
-    if as_json:
-        out(json.dumps(_run_dict(run)))
-        return
-    out(_RUN_HEADER)
-    out(_run_row(run))
-    if run.losses:
-        out(f"\n{'STEP':>6} {'LOSS':>14} {'STEP (ms)':>10}")
-        for step, (loss, time_us) in enumerate(zip(run.losses, run.step_times_us, strict=True)):
-            out(f"{step:>6} {loss:>14.8g} {time_us / 1e3:>10.2f}")
-    out("")
-    out(_prediction(run))
-
-
-def _prediction(run: Any) -> str:
-    """The predicted step time beside the measured median (the first step, warm-up, left out when others are)."""
-    import statistics  # noqa: PLC0415
-
-    if not run.predicted_step_time_us:
-        return "predicted: none (submit with --profile PROFILE to have the coordinator predict the step time)"
-    predicted = run.predicted_step_time_us / 1e3
-    times = list(run.step_times_us)
-    if not times:
-        return f"predicted {predicted:.2f} ms/step; nothing measured yet"
-    measured = statistics.median(times[1:] if len(times) > 1 else times) / 1e3
-    skipped = ", the first left out" if len(times) > 1 else ""
-    return (
-        f"predicted {predicted:.2f} ms/step; measured {measured:.2f} ms (median of {max(len(times) - 1, 1)} "
-        f"steps{skipped}): error {(predicted - measured) / measured:+.1%}"
-    )
-
-
-def _print_runs(runs: list[Any], as_json: bool) -> None:
-    if as_json:
-        out(json.dumps([_run_dict(run) for run in runs]))
-        return
-    if not runs:
-        out("no runs")
-        return
-    out(_RUN_HEADER)
-    for run in runs:
-        out(_run_row(run))
-
-
 def _finish(client: Any, run_id: str, wait_s: float, as_json: bool) -> int:
     run = client.wait(run_id, timeout_s=wait_s) if wait_s > 0 else client.run(run_id)
-    _print_run(run, as_json)
+    print_run(run, as_json)
     failed = run.state in (node_pb2.RUN_STATE_FAILED, node_pb2.RUN_STATE_CANCELLED)
     return EXIT_RUN_FAILED if failed else 0
 
@@ -444,6 +403,14 @@ def _submit(args: argparse.Namespace) -> int:
             adapt_after_steps=args.adapt_after,
             profile=profile,
             device=args.device,
+            checkpoint_async=args.checkpoint_async,
+            checkpoint_keep=args.checkpoint_keep,
+            recovery=coordinator_pb2.RecoveryPolicy(
+                automatic=args.recover,
+                wait_for_replacement_s=args.wait_for_replacement,
+                max_recoveries=args.max_recoveries,
+            ),
+            queue_deadline_s=args.queue_deadline,
         )
         return _finish(client, run_id, args.wait, args.json)
 
@@ -453,9 +420,9 @@ def _submit(args: argparse.Namespace) -> int:
 def _runs(args: argparse.Namespace) -> int:
     def action(client: Any) -> int:
         if args.run_id:
-            _print_run(client.run(args.run_id), args.json)
+            print_run(client.run(args.run_id), args.json)
         else:
-            _print_runs(client.runs(), args.json)
+            print_runs(client.runs(), args.json)
         return 0
 
     return with_client(args, action)
@@ -489,7 +456,7 @@ def _nodes(args: argparse.Namespace) -> int:
     def action(client: Any) -> int:
         nodes = client.nodes()
         if args.json:
-            out(json.dumps([_as_dict(n) for n in nodes]))
+            out(json.dumps([as_dict(n) for n in nodes]))
             return 0
         if not nodes:
             out("no nodes registered")
@@ -518,7 +485,7 @@ def _gpus(gpus: Any) -> str:
 
 def _cancel(args: argparse.Namespace) -> int:
     def action(client: Any) -> int:
-        _print_run(client.cancel(args.run_id), args.json)
+        print_run(client.cancel(args.run_id), args.json)
         return 0
 
     return with_client(args, action)
