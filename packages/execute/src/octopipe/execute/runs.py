@@ -67,8 +67,13 @@ class RunOptions:
     online CPUs, whatever mask this process has); ranks that must share cores are a warning, or a
     ValueError with ``strict_pinning``. ``keep_grads`` / ``keep_params`` return the first step's
     gradients and the final parameters. ``fail_at`` maps a rank to (step, action index) where it raises
-    (fault tests). ``checkpoint_dir`` / ``checkpoint_every`` save checkpoints (``runtime.checkpoint``);
-    ``start_step`` with ``resume`` continues from ``checkpoint_dir/step-<start_step>``.
+    (fault tests). ``checkpoint_dir`` / ``checkpoint_every`` save checkpoints (``runtime.checkpoint``), each
+    written to a partial folder and committed to ``step-<n>`` once every rank's data is in
+    (``checkpoint_files``); ``checkpoint_async`` writes them on a background thread while the next steps
+    run (``runtime.checkpointer``; the run ends after its last one is committed); ``checkpoint_keep`` K > 0
+    keeps only the newest K committed checkpoints. ``checkpoint_hold`` maps a rank to (step, seconds) it
+    waits, after writing its data of that step's checkpoint, before reporting the write (fault tests kill a
+    rank there). ``start_step`` with ``resume`` continues from ``checkpoint_dir/step-<start_step>``.
     ``numerics_check`` (whole-model capture): before the first step every rank checks that its stages
     reproduce the model's own forward on one micro-batch and refuses to train, naming the stage, if not.
     ``measure_memory`` runs one more pipeline step (no update) after the timed ones under the allocator
@@ -97,6 +102,9 @@ class RunOptions:
     fail_at: dict[int, tuple[int, int]] = field(default_factory=dict)
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
+    checkpoint_async: bool = False
+    checkpoint_keep: int = 0
+    checkpoint_hold: dict[int, tuple[int, float]] = field(default_factory=dict)
     start_step: int = 0
     resume: bool = False
     numerics_check: bool = True
@@ -123,6 +131,12 @@ class RunOptions:
             problems.append("checkpoint_every and start_step must be >= 0")
         if self.checkpoint_every and not self.checkpoint_dir:
             problems.append("checkpoint_every needs a checkpoint_dir")
+        if self.checkpoint_async and not self.checkpoint_every:
+            problems.append("checkpoint_async needs checkpoint_every > 0 (the steps between checkpoints)")
+        if self.checkpoint_keep < 0:
+            problems.append(f"checkpoint_keep must be >= 0 (0: keep every checkpoint), got {self.checkpoint_keep}")
+        if any(seconds < 0 for _, seconds in self.checkpoint_hold.values()):
+            problems.append("checkpoint_hold's seconds must be >= 0")
         if self.resume and not self.checkpoint_dir:
             problems.append("resume needs the checkpoint_dir to resume from")
         if problems:
@@ -160,6 +174,12 @@ class WorkerConfig:
     #: checkpoints (see runtime.checkpoint) go here every ``checkpoint_every`` completed steps
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
+    #: save them on a background thread while the next steps run (``runtime.checkpointer``)
+    checkpoint_async: bool = False
+    #: keep only the newest this many committed checkpoints (0: all)
+    checkpoint_keep: int = 0
+    #: (step, seconds): after writing its data of that step's checkpoint, wait this long (fault tests)
+    checkpoint_hold: tuple[int, float] | None = None
     #: load ``checkpoint_dir/step-<start_step>`` before the first step
     resume: bool = False
     #: Linux: the kernel kills this rank when the process that started it dies (a node daemon's ranks)
@@ -221,6 +241,9 @@ class WorkerConfig:
             start_step=options.start_step,
             checkpoint_dir=options.checkpoint_dir,
             checkpoint_every=options.checkpoint_every,
+            checkpoint_async=options.checkpoint_async,
+            checkpoint_keep=options.checkpoint_keep,
+            checkpoint_hold=options.checkpoint_hold.get(rank),
             resume=options.resume,
             die_with_parent=die_with_parent,
             adaptive=adaptive,
@@ -271,7 +294,9 @@ class StepTimeline:
     records: tuple[ActionRecord, ...]
     loss: float | None = None
     plan_switches: int = 0
-    #: the step whose checkpoint this step saved, if it saved one
+    #: the step whose checkpoint this step started, if it started one: committed before the next step with
+    #: synchronous checkpoints; with asynchronous ones still being written (committed once a later step, or
+    #: the run's end, has waited for it)
     checkpoint: int | None = None
 
     @property

@@ -92,6 +92,8 @@ KEYS: dict[str, dict[str, tuple[type, Any, str]]] = {
         "seed": (int, 0, "the model's initial weights"),
         "checkpoint_dir": (str, "", "where checkpoints go; empty: none"),
         "checkpoint_every": (int, 0, "steps between checkpoints"),
+        "checkpoint_async": (bool, False, "write checkpoints in the background while the next steps run"),
+        "checkpoint_keep": (int, 0, "keep only the newest this many checkpoints; 0: all"),
         "timeout_s": (float, 120.0, "seconds any rank may wait for a message"),
     },
 }

@@ -396,6 +396,8 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
             return "a resume needs checkpoint_dir"
         if request.checkpoint_every and not request.checkpoint_dir:
             return "checkpoint_every needs checkpoint_dir (where the checkpoints go)"
+        if request.checkpoint_async and not request.checkpoint_every:
+            return "checkpoint_async needs checkpoint_every > 0 (the steps between checkpoints)"
         return ""
 
     def _launch(self, run: _Run) -> int:
@@ -425,6 +427,8 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
             start_step=request.start_step,
             checkpoint_dir=request.checkpoint_dir,
             checkpoint_every=request.checkpoint_every,
+            checkpoint_async=request.checkpoint_async,
+            checkpoint_keep=request.checkpoint_keep,
             resume=request.resume,
             device=backend_device(assignment.backend),
         )

@@ -142,6 +142,8 @@ def prepare_job(config: TrainConfig, steps: int | None = None) -> TrainJob:
         weights=WeightsSpec(load=load, export=weights["export"]) if load or weights["export"] else None,
         checkpoint_dir=run_keys["checkpoint_dir"],
         checkpoint_every=run_keys["checkpoint_every"],
+        checkpoint_async=run_keys["checkpoint_async"],
+        checkpoint_keep=run_keys["checkpoint_keep"],
     )
     return TrainJob(plan=plan, options=options, tokens_per_step=int(inputs.numel()), profile=profile)
 

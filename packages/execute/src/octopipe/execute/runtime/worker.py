@@ -8,7 +8,9 @@ captured as written and split at the plan's layer boundaries
 (runtime.whole_model); before the first step its pipelined forward must
 reproduce the model's own loss (the numerics guard, unless ``numerics_check``
 is off), and tied parameters' gradients are summed across the ranks holding a
-copy before every optimizer step. Results go to ``<result_dir>/rank<r>.pt`` (loaded with ``weights_only=True``);
+copy before every optimizer step. Checkpoints go through one ``runtime.checkpointer.Checkpointer`` per
+process (synchronous, or written in the background while the next steps run); a plan's run returns only
+after its last checkpoint is committed. Results go to ``<result_dir>/rank<r>.pt`` (loaded with ``weights_only=True``);
 a failure goes to ``<result_dir>/rank<r>.error`` and to the run's store, which
 every other rank watches while it waits, so all ranks stop together.
 """
@@ -32,7 +34,8 @@ import torch.distributed as dist
 from octopipe.capture import StageModule
 from octopipe.execute.processes import die_with_parent
 from octopipe.execute.runs import ABORT_KEY, PLAN_KEY, ActionRecord, StepTimeline, WorkerConfig, same_layout
-from octopipe.execute.runtime.checkpoint import load_checkpoint, save_checkpoint
+from octopipe.execute.runtime.checkpoint import load_checkpoint
+from octopipe.execute.runtime.checkpointer import Checkpointer
 from octopipe.execute.runtime.collective_stream import collective_records
 from octopipe.execute.runtime.comm import Channels, channel_groups, program_channels
 from octopipe.execute.runtime.data import with_data
@@ -86,7 +89,7 @@ def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
 
     ``events`` (a multiprocessing queue) receives one dict per completed step:
     rank, step, loss (last stage only), step duration, the action records and
-    the checkpoint step if one was saved.
+    the checkpoint step if this step started one (``StepTimeline.checkpoint``).
     """
     rank = config.rank
     out = Path(config.result_dir)
@@ -185,10 +188,27 @@ def _run(
 ) -> list[dict[str, object]]:
     # one per run: a plan switch that keeps a stage's layers reuses its graphs
     compiler = StageCompiler(backend=stage_backend(config.compile), fallback=config.compile_fallback)
-    return [
-        _run_plan(config, plan_pb2.Plan.FromString(data), store, compiler, index, device, events)
+    checkpointer = None
+    if config.checkpoint_every and config.checkpoint_dir:  # a collective: its own gloo group and the token
+
+        def aborted() -> str | None:
+            return store.get(ABORT_KEY).decode() if store.check([ABORT_KEY]) else None
+
+        checkpointer = Checkpointer(
+            config.checkpoint_dir,
+            asynchronous=config.checkpoint_async,
+            keep=config.checkpoint_keep,
+            timeout_s=config.timeout_s,
+            aborted=aborted,
+            hold=config.checkpoint_hold,
+        )
+    results = [
+        _run_plan(config, plan_pb2.Plan.FromString(data), store, compiler, index, device, events, checkpointer)
         for index, data in enumerate(config.plans)
     ]
+    if checkpointer is not None:
+        checkpointer.close()
+    return results
 
 
 def _run_plan(
@@ -199,6 +219,7 @@ def _run_plan(
     plan_index: int,
     device: Device,
     events: StepEvents | None = None,
+    checkpointer: Checkpointer | None = None,
 ) -> dict[str, object]:
     rank, m = config.rank, plan.num_microbatches
     mesh = MeshRank.create(plan, rank, config.world_size)  # a pp x dp mesh's groups (collective); see runtime.mesh
@@ -346,9 +367,9 @@ def _run_plan(
         records = collective_records(records, runtime.collective_times)
         if loss is not None:
             losses.append(float(loss))
-        saved = None
-        if config.checkpoint_every and config.checkpoint_dir and (step + 1) % config.checkpoint_every == 0:
-            save_checkpoint(config.checkpoint_dir, step + 1, weights.optimized, optimizer, suffix=suffix)
+        saved = None  # the step whose checkpoint starts now (asynchronous: committed later)
+        if checkpointer is not None and (step + 1) % config.checkpoint_every == 0:
+            checkpointer.save(step + 1, weights.optimized, optimizer, suffix=suffix)
             saved = step + 1
         timeline = StepTimeline(
             rank=rank,
@@ -375,6 +396,8 @@ def _run_plan(
         dist.barrier()
         if rank == 0:
             finish_export(config.weights.export, config.world_size, source)
+    if checkpointer is not None:  # the plan's last checkpoint committed (and a failed one raised) before it ends
+        checkpointer.finish()
     memory = _measure_memory(config, built, runtime, stages, mine, optimizer, device) if config.measure_memory else None
     runtime.close()
     return {
