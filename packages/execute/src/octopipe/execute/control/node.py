@@ -458,6 +458,7 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
             except Exception:  # queue.Empty (or a closed queue)
                 return
             metrics = step_metrics(run.run_id, event)
+            metrics.plan_version = run.request.version  # the launch's: a later attempt of the run has a higher one
             with self._lock:
                 run.metrics.append(metrics)
                 run.metrics_seen += 1
