@@ -52,7 +52,7 @@ def all_metrics(client: ControlClient, run_id: str) -> list[node_pb2.StepMetrics
     deadline = time.monotonic() + 10
     while True:
         metrics = client.metrics(run_id)
-        if any(m.step == STEPS - 1 and m.HasField("loss") for m in metrics) or time.monotonic() > deadline:
+        if any(m.step == STEPS - 1 and m.has_loss for m in metrics) or time.monotonic() > deadline:
             return metrics
         time.sleep(0.1)
 
@@ -76,7 +76,7 @@ def check_losses(metrics: list[node_pb2.StepMetrics], clean: coordinator_pb2.Run
     healed = run.recoveries[-1]
     latest: dict[int, tuple[int, float]] = {}
     for m in metrics:
-        if m.HasField("loss") and m.plan_version >= latest.get(m.step, (0, 0.0))[0]:
+        if m.has_loss and m.plan_version >= latest.get(m.step, (0, 0.0))[0]:
             latest[m.step] = (m.plan_version, m.loss)
     assert all(latest[s][0] == healed.plan_version for s in range(healed.resumed_from_step, STEPS))
     assert {s: loss for s, (_, loss) in latest.items()} == {s: clean.losses[s] for s in latest}

@@ -23,6 +23,7 @@ from octopipe.tune import (
     calibrated_costs,
     gpipe,
     measured_gain,
+    replan,
     retune,
     zb_h1,
     zb_v,
@@ -162,3 +163,25 @@ def test_measured_gain_is_the_median_before_and_after_the_first_switch() -> None
     assert measured_gain(before + after) == (112.0, 56.0)  # the first step of each left out
     assert measured_gain(before) is None  # no switch
     assert measured_gain(before + after[:1]) is None  # too few steps after it
+
+
+def test_replan_tunes_the_same_layers_for_fewer_ranks_with_the_calibrated_costs() -> None:
+    profile = profile_of(8)
+    names = [layer.layer_name for layer in profile.layers]
+    old = zb_h1(4, 8, layer_names=[names[2 * i : 2 * i + 2] for i in range(4)])
+    old.model.name, old.model.source = "m", "pkg:fn"
+    measured = timelines(old, profile, {0: 3.0, 1: 1.0, 2: 1.0, 3: 1.0})  # stage 0 runs 3x slower than profiled
+    result = replan(old, profile, measured, 2, time_budget_s=5)
+    plan = result.plan
+    verify_plan(plan)
+    assert len(plan.ranks) == 2 and plan.num_microbatches == 8
+    assert sorted(n for s in plan.stages for n in s.layer_names) == sorted(names)
+    assert plan.model == old.model and plan.labels["schedule"]
+    # the tuner planned with the calibrated costs (l0 and l1 three times slower): a longer step than planned
+    # from the profile alone, and never more layers beside l0
+    plain = replan(old, profile, [], 2, time_budget_s=5)
+    assert result.estimate.step_time_us > plain.estimate.step_time_us
+    with_l0 = [len(s.layer_names) for r in (result, plain) for s in r.plan.stages if "l0" in s.layer_names]
+    assert with_l0[0] <= with_l0[1]
+    with pytest.raises(ValueError, match="at least 9 layers"):
+        replan(old, profile, measured, 9)

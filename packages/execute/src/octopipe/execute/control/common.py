@@ -132,6 +132,6 @@ def step_metrics(run_id: str, timeline: StepTimeline) -> node_pb2.StepMetrics:
         peak_memory_bytes=timeline.peak_held_bytes,
     )
     if timeline.loss is not None:
-        metrics.loss = timeline.loss
+        metrics.loss, metrics.has_loss = timeline.loss, True
     metrics.timeline.CopyFrom(timeline.to_proto())
     return metrics

@@ -44,7 +44,7 @@ def step_results(plan: plan_pb2.Plan, metrics: Iterable[node_pb2.StepMetrics]) -
         reports = by_step[step][version]
         if version == current and len(reports) < mesh.world_size:
             continue  # a step not every rank of the running attempt has reported yet
-        values = [reports[r].loss for r in sorted(reports) if reports[r].HasField("loss")]
+        values = [reports[r].loss for r in sorted(reports) if reports[r].has_loss]
         if not values:
             continue
         losses.append(sum(values) / len(values))
