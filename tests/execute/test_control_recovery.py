@@ -1,6 +1,7 @@
 """Self-healing runs: a run with an automatic recovery policy that loses one of its two daemons (SIGKILL) is
 re-planned onto the survivor and finishes with no person involved, also when the coordinator restarts during
-the recovery; final weights and optimizer state are bitwise those of an uninterrupted run."""
+the recovery; final weights and optimizer state are bitwise those of an uninterrupted run (checkpoints written
+asynchronously, every step)."""
 
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ def killed_and_healed(tmp_path: Path, profile: profile_pb2.Profile, *, restart: 
         running.node_process("node0")
         second = running.node_process("node1")
         with running.client() as client:
-            options = {"steps": STEPS, "checkpoint_every": EVERY, "profile": profile, "recovery": AUTOMATIC}
+            options = {"steps": STEPS, "checkpoint_every": EVERY, "checkpoint_async": True, "profile": profile}
+            options["recovery"] = AUTOMATIC
             clean_id = client.submit(plan, run_id="clean", **options)  # type: ignore[arg-type]
             clean = client.wait(clean_id, timeout_s=180)
             assert clean.state == node_pb2.RUN_STATE_DONE, clean.error
