@@ -152,12 +152,14 @@ def replan(
     *,
     memory_cap_bytes: int | None = None,
     time_budget_s: float = 20.0,
+    min_gain: float = 0.05,
 ) -> TuneResult:
     """Re-tune partition x placement x schedule of ``plan``'s layers for ``num_ranks`` ranks (a run that lost
     nodes): ``profile`` calibrated by the run's measured ``timelines`` of ``plan`` when there are any, the same
-    micro-batch count, the local link, ``memory_cap_bytes`` per rank (None: the tuner's default). The
-    returned plan carries ``plan``'s model, precision and a ``schedule`` label; raises ValueError when no plan
-    fits."""
+    micro-batch count, the local link, ``memory_cap_bytes`` per rank (None: the tuner's default). A plan more
+    complex than 1F1B on equal layers must be predicted faster by more than ``min_gain`` (the simulator's
+    error; ``TuneConfig.min_gain``) to be chosen. The returned plan carries ``plan``'s model, precision and a
+    ``schedule`` label; raises ValueError when no plan fits."""
     measured = list(timelines)
     calibrated = calibrate_profile(profile, plan, measured).profile if measured else profile
     result = tune(
@@ -168,6 +170,7 @@ def replan(
             memory_cap_bytes=memory_cap_bytes,
             default_link=local_link(calibrated),
             time_budget_s=time_budget_s,
+            min_gain=min_gain,
         ),
     )
     result.plan.model.CopyFrom(plan.model)

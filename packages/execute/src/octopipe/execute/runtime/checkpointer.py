@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from octopipe.execute.checkpoint_files import prune_checkpoints
+from octopipe.execute.devices import CPU_BACKEND
 from octopipe.execute.runtime.checkpoint import checkpoint_state, checkpoint_token, snapshot, write_checkpoint
 
 __all__ = ["CheckpointError", "Checkpointer"]
@@ -74,7 +75,8 @@ class Checkpointer:
         self._aborted = aborted
         self._hold = hold
         # collectives: every rank creates the group and learns the token, in this order
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        # the snapshots are host tensors whatever the rank computes on: the host backend
+        self.group = dist.new_group(backend=CPU_BACKEND, timeout=datetime.timedelta(seconds=timeout_s))
         self.token = checkpoint_token(self.group)
         self._thread = (
             concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="octopipe-checkpoint")
