@@ -27,9 +27,12 @@ def test_steps_rerun_after_a_recovery_count_the_healed_attempt_and_earlier_steps
     for step in range(2, 5):  # attempt 2 resumed from the checkpoint of step 2, on one rank
         metrics.append(report(step, 0, 2, 50.0 + step, loss=10.0 + step))
     metrics.append(report(5, 0, 3, 1.0))  # not part of the run's plan version yet: ignored below
-    losses, times = step_results(healed, [m for m in metrics if m.plan_version <= 2])
+    losses, times, steps = step_results(healed, [m for m in metrics if m.plan_version <= 2])
     assert losses == [1.0, 2.0, 12.0, 13.0, 14.0]  # step 2 re-run by attempt 2 counts its loss
     assert times == [200.0, 201.0, 52.0, 53.0, 54.0]  # the slowest rank of the attempt that counts
+    assert steps == [0, 1, 2, 3, 4]
+    lost = [m for m in metrics if m.plan_version <= 2 and not (m.step == 1 and m.rank == 1)]
+    assert step_results(healed, lost)[2] == [0, 2, 3, 4]  # step 1's loss died with its node: left out, named
     assert recovered_step_us(metrics, 2) == 53.0 and recovered_step_us(metrics, 7) == 0.0
     assert plan_summary(healed) == "1f1b: 1 stages (4 layers) on 1 ranks, m=2"
 
@@ -37,4 +40,4 @@ def test_steps_rerun_after_a_recovery_count_the_healed_attempt_and_earlier_steps
 def test_a_step_the_running_attempt_has_not_heard_from_every_rank_waits() -> None:
     plan = one_f_one_b(2, 2, layer_names=[["a"], ["b"]])
     metrics = [report(0, 0, 1, 10.0), report(0, 1, 1, 20.0, loss=3.0), report(1, 1, 1, 30.0, loss=4.0)]
-    assert step_results(plan, metrics) == ([3.0], [20.0])
+    assert step_results(plan, metrics) == ([3.0], [20.0], [0])

@@ -52,7 +52,8 @@ def print_run(run: Any, as_json: bool) -> None:
     out(_run_row(run))
     if run.losses:
         out(f"\n{'STEP':>6} {'LOSS':>14} {'STEP (ms)':>10}")
-        for step, (loss, time_us) in enumerate(zip(run.losses, run.step_times_us, strict=True)):
+        steps = list(run.result_steps) or list(range(len(run.losses)))  # none from an older coordinator
+        for step, loss, time_us in zip(steps, run.losses, run.step_times_us, strict=True):
             out(f"{step:>6} {loss:>14.8g} {time_us / 1e3:>10.2f}")
     out("")
     out(_prediction(run))

@@ -24,8 +24,10 @@ def predicted_step_us(plan: plan_pb2.Plan, profile: profile_pb2.Profile) -> floa
     return simulate(plan, local_cost_model(plan, profile)).estimate.step_time_us
 
 
-def step_results(plan: plan_pb2.Plan, metrics: Iterable[node_pb2.StepMetrics]) -> tuple[list[float], list[float]]:
-    """(losses, step times in us) per step every rank reported, in step order.
+def step_results(
+    plan: plan_pb2.Plan, metrics: Iterable[node_pb2.StepMetrics]
+) -> tuple[list[float], list[float], list[int]]:
+    """(losses, step times in us, the steps they are of) per step every rank reported, in step order.
 
     The loss is the mean of the losses the step's reports carry (the last stage's, one per data-parallel
     replica, in replica order, as the local launcher reports it); the step time is the slowest rank's. A step
@@ -38,7 +40,7 @@ def step_results(plan: plan_pb2.Plan, metrics: Iterable[node_pb2.StepMetrics]) -
     for item in metrics:
         by_step.setdefault(item.step, {}).setdefault(item.plan_version, {})[item.rank] = item
     current = max((v for attempts in by_step.values() for v in attempts), default=0)
-    losses, times = [], []
+    losses, times, steps = [], [], []
     for step in sorted(by_step):
         version = max(by_step[step])
         reports = by_step[step][version]
@@ -49,7 +51,8 @@ def step_results(plan: plan_pb2.Plan, metrics: Iterable[node_pb2.StepMetrics]) -
             continue
         losses.append(sum(values) / len(values))
         times.append(max(r.step_duration_us for r in reports.values()))
-    return losses, times
+        steps.append(step)
+    return losses, times, steps
 
 
 def recovered_step_us(metrics: Iterable[node_pb2.StepMetrics], version: int) -> float:

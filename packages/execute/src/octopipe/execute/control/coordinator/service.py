@@ -217,9 +217,10 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
             run = coordinator_pb2.Run()
             run.CopyFrom(entry.run)
             plan = entry.plan
-        losses, times = step_results(plan, self._records.metrics_of(entry))
+        losses, times, steps = step_results(plan, self._records.metrics_of(entry))
         run.losses.extend(losses)
         run.step_times_us.extend(times)
+        run.result_steps.extend(steps)
         return coordinator_pb2.GetRunResponse(run=run)
 
     def ListRuns(
