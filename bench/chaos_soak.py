@@ -109,6 +109,7 @@ def one_run(soak: Soak, index: int, fault: str, at_step: int, options: dict[str,
         for run in client.watch(run_id, timeout_s=300):
             if run.completed_steps >= at_step:
                 break
+        before = len(client.run(run_id).recoveries)  # a recovery before the fault is not this fault's
     hurt_at = time.monotonic()
     soak.hurt(fault)
     recovered_s = None
@@ -121,7 +122,7 @@ def one_run(soak: Soak, index: int, fault: str, at_step: int, options: dict[str,
                 time.sleep(0.1)
                 continue
             healed = (
-                run.recoveries
+                len(run.recoveries) > before
                 and run.recoveries[-1].resumed_at.seconds
                 and run.completed_steps > run.recoveries[-1].resumed_from_step
             )
@@ -147,6 +148,7 @@ def one_run(soak: Soak, index: int, fault: str, at_step: int, options: dict[str,
             for r in run.recoveries
         ],
         "recover_s": recovered_s,
+        "recoveries_before_fault": before,
         "bitwise_equal": equal,
         "error": run.error[:300],
     }

@@ -50,6 +50,13 @@ class RunPusher:
                 self._channels[key] = secure_channel(address, self._identity, server_name=node_server_name(node_id))
             return node_pb2_grpc.NodeServiceStub(self._channels[key])
 
+    def forget(self, node_id: str) -> None:
+        """Close the channels to ``node_id``: it (re-)registered, and a channel kept from before (a daemon that
+        was restarted, a link that was cut) may be waiting out a reconnect backoff a push would time out on."""
+        with self._lock:
+            for key in [k for k in self._channels if k[0] == node_id]:
+                self._channels.pop(key).close()
+
     def close(self) -> None:
         with self._lock:
             for channel in self._channels.values():

@@ -77,11 +77,13 @@ class StoreKeeper:
         """Offer a serialized plan as the run's ``switch``-th plan switch to adaptive ranks."""
         self._ask("plan", (switch, plan), timeout_s, f"publish plan switch {switch}")
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the keeper; the store it hosts goes with it."""
+    def close(self, timeout_s: float = 5.0, *, grace_s: float = 1.0) -> None:
+        """Stop the keeper; the store it hosts goes with it. A keeper that does not stop within ``grace_s`` (one
+        blocked on a store whose host was cut off) is killed, so a node starting a run's next attempt is not held
+        up by the last one's lost peer."""
         if self.process.is_alive():
             self._commands.put(("stop", None))
-            self.process.join(timeout=timeout_s)
+            self.process.join(timeout=grace_s)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=timeout_s)

@@ -65,6 +65,7 @@ class RunScheduler:
             self._records.nodes[node_id] = NodeRecord(
                 node_id=node_id, address=address, slots=slots, registered_at=now, last_seen=now, gpus=list(gpus)
             )
+        self._pusher.forget(node_id)  # a fresh channel: the old one may be backing off from the node's absence
         self._records.log.info("node_registered", node=node_id, address=address, slots=slots)
         self._records.changed.notify()
         return ""
