@@ -15,17 +15,22 @@ After each run the cluster is mended (the daemon started again, the link brought
 resumed_from_step), time to recover (fault to the healed run's first completed step), and whether the final
 checkpoint (weights and AdamW state) is bitwise the uninterrupted run's (goal: every run).
 
+Each daemon is started under `taskset -c <its index>`, so the two ranks run on two distinct cores (recorded per
+run and checked); the load average is recorded and a busy machine refused (`--force` to override).
+
 Run: PYTHONPATH=. .venv/bin/python bench/chaos_soak.py [--runs 20] [--seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import signal
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,9 +41,14 @@ import torch
 from octopipe.coordinator.v1 import coordinator_pb2
 from octopipe.execute.control import LocalCluster, process_alive
 from octopipe.execute.runtime.checkpoint import read_checkpoint
+from octopipe.execute.runtime.pinning import online_cpus
 from octopipe.execute.runtime.pipeline import profile_reference
 from octopipe.node.v1 import node_pb2
 from tests.execute import netns
+
+sys.path.insert(0, str(Path(__file__).parent))
+from quiet import DEFAULT_MAX_LOAD, Environment, require_quiet
+
 from tests.execute.control_cluster import llama_plan
 
 RESULTS = Path(__file__).parent / "results" / "chaos_soak.json"
@@ -57,12 +67,16 @@ class Soak:
             self.start_daemon(index)
 
     def start_daemon(self, index: int) -> None:
+        """Daemon ``index`` on core ``index`` (taskset): its rank inherits the mask, so the two ranks never
+        share a core (the daemons start their ranks unpinned)."""
         node_id = f"node{index}"
+        pin = ["taskset", "-c", str(index % len(online_cpus()))]
         if self.hosts:
             host = self.hosts[index]
-            self.daemons[node_id] = self.cluster.node_process(node_id, prefix=host.prefix, listen=f"{host.address}:0")
+            prefix = [*host.prefix, *pin]
+            self.daemons[node_id] = self.cluster.node_process(node_id, prefix=prefix, listen=f"{host.address}:0")
         else:
-            self.daemons[node_id] = self.cluster.node_process(node_id)
+            self.daemons[node_id] = self.cluster.node_process(node_id, prefix=pin)
 
     def wait_for_nodes(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
@@ -70,6 +84,15 @@ class Soak:
             if time.monotonic() > deadline:
                 raise RuntimeError("the two daemons did not come back")
             time.sleep(0.1)
+
+    def rank_cores(self) -> dict[int, list[int]]:
+        """The cores each running rank may use (its affinity mask), by rank (node0 runs rank 0 unless re-planned)."""
+        cores: dict[int, list[int]] = {}
+        for index, node_id in enumerate(("node0", "node1")):
+            for pid in self.newest_rank_pids(node_id):
+                with contextlib.suppress(OSError):
+                    cores[index] = sorted(os.sched_getaffinity(pid))
+        return cores
 
     def newest_rank_pids(self, node_id: str) -> list[int]:
         files = sorted((self.cluster.root / node_id).glob("*/rank*.pid"), key=lambda p: p.stat().st_mtime)
@@ -110,6 +133,7 @@ def one_run(soak: Soak, index: int, fault: str, at_step: int, options: dict[str,
             if run.completed_steps >= at_step:
                 break
         before = len(client.run(run_id).recoveries)  # a recovery before the fault is not this fault's
+    cores = soak.rank_cores()
     hurt_at = time.monotonic()
     soak.hurt(fault)
     recovered_s = None
@@ -149,6 +173,7 @@ def one_run(soak: Soak, index: int, fault: str, at_step: int, options: dict[str,
         ],
         "recover_s": recovered_s,
         "recoveries_before_fault": before,
+        "rank_cores": {str(r): c for r, c in cores.items()},
         "bitwise_equal": equal,
         "error": run.error[:300],
     }
@@ -227,8 +252,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="steps per run (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="draws the faults and their steps (default 0)")
     parser.add_argument("--budget-s", type=float, default=1800.0, help="stop drawing runs after this (default 1800)")
+    parser.add_argument("--max-load", type=float, default=DEFAULT_MAX_LOAD, help="refuse a busier machine")
+    parser.add_argument("--force", action="store_true", help="run on a busy machine (recorded in the JSON)")
     args = parser.parse_args()
-    load = os.getloadavg()
+    require_quiet(args.max_load, force=args.force)
+    environment = Environment(forced=args.force)
     with tempfile.TemporaryDirectory(prefix="octopipe-soak-") as folder:
         if netns.unavailable():
             print(f"no network namespaces ({netns.unavailable()}): loopback daemons, no link cuts", flush=True)
@@ -249,9 +277,13 @@ def main() -> None:
         "heartbeat_timeout_s": 1.5,
         "network_namespaces": not netns.unavailable(),
     }
-    environment = {"load_average_before": list(load), "load_average_after": list(os.getloadavg())}
+    for row in results:  # the two ranks on two distinct cores in every run: checked, not assumed
+        environment.record({int(r): c for r, c in row["rank_cores"].items()})
     RESULTS.write_text(
-        json.dumps({"config": config, "environment": environment, "summary": summary, "runs": results}, indent=2) + "\n"
+        json.dumps(
+            {"config": config, "environment": environment.finish(), "summary": summary, "runs": results}, indent=2
+        )
+        + "\n"
     )
     print(f"wrote {RESULTS}")
 
