@@ -21,7 +21,11 @@ from tests.execute.test_mesh_runtime import assert_matches_reference
 DP, M = 2, 4
 
 
+# extended: its last assertion (in at least one of 6 rank-steps the whole gather finished inside the forward)
+# is a timing observation, not a property; on 2 busy cores it failed 1 run in 3 (2026-12-02, quiet machine and
+# CI). To fix: make it structural or give the forward a known length. The per-step order assertions are exact.
 @pytest.mark.slow
+@pytest.mark.extended
 def test_the_next_stages_gather_runs_while_this_stage_computes_and_the_run_equals_the_reference() -> None:
     reference = workload_reference("llama-8", tiny=True, sequence=128, global_batch=DP * M * 2)
     names = build_model(reference).model.pipeline_layers()  # type: ignore[operator]
