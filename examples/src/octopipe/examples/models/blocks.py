@@ -34,9 +34,12 @@ class Attention(nn.Module):
         inv_freq = 1.0 / (rope_base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def _rope(self, x: torch.Tensor) -> torch.Tensor:
+    def _rope(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Rotate ``x`` [..., seq, head_dim] by the positions offset .. offset + seq - 1."""
         seq = x.shape[-2]
         positions = torch.arange(seq, dtype=torch.float32, device=x.device)
+        if offset:
+            positions = positions + offset
         angles = torch.outer(positions, self.inv_freq)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # bf16 activations stay bf16
         x1, x2 = x[..., 0::2], x[..., 1::2]
@@ -44,13 +47,13 @@ class Attention(nn.Module):
         return rotated.flatten(-2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, hidden = x.shape
+        batch, seq, _ = x.shape
         qkv = self.wqkv(x).view(batch, seq, 3, self.heads, self.head_dim).transpose(1, 3)
         q, k, v = qkv.unbind(dim=2)
         q, k = self._rope(q), self._rope(k)
         drop = self.dropout if self.training else 0.0
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, hidden))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))  # -1: heads x head_dim (fewer under tp)
 
 
 class SwiGLU(nn.Module):

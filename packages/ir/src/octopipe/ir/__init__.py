@@ -25,7 +25,7 @@ from octopipe.ir.fsdp import PLACEMENTS, CollectivePlacement, place_collectives,
 from octopipe.ir.grid import format_grid
 from octopipe.ir.lower import add_p2p_actions
 from octopipe.ir.merge import merge_backward
-from octopipe.ir.mesh import MeshSpec, mesh_spec
+from octopipe.ir.mesh import MeshCoord, MeshSpec, check_mesh_model, mesh_spec
 from octopipe.ir.plan import (
     COMPUTE_DTYPES,
     PlanError,
@@ -55,6 +55,7 @@ __all__ = [
     "CsvFormat",
     "DeadlockError",
     "MemoryCapError",
+    "MeshCoord",
     "MeshSpec",
     "MissingInputError",
     "PlanError",
@@ -67,6 +68,7 @@ __all__ = [
     "action_to_proto",
     "add_p2p_actions",
     "build_plan",
+    "check_mesh_model",
     "compile_plan",
     "compute_dtype",
     "format_action",

@@ -19,6 +19,7 @@ def torchrun_rank(plan: plan_pb2.Plan, options: RunOptions, out: Path) -> tuple[
     ``out/rank<r>.pt``. Returns (rank, world size). A launch of the wrong size, a plan the verifier
     rejects or options the plan cannot run are refused in one line before anything starts."""
     from octopipe.execute.runtime import worker_main  # noqa: PLC0415 - torch loads only here
+    from octopipe.execute.runtime.tensor_parallel import split_problem  # noqa: PLC0415
 
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -31,12 +32,13 @@ def torchrun_rank(plan: plan_pb2.Plan, options: RunOptions, out: Path) -> tuple[
     if world != needed:
         raise ValueError(
             f"the launch has {world} ranks but the plan needs {needed} "
-            f"({len(plan.ranks)} pipeline ranks x {needed // len(plan.ranks)} replicas): start torchrun with "
+            f"({len(plan.ranks)} pipeline ranks x {needed // len(plan.ranks)} replicas, context and tensor ranks): "
+            "start torchrun with "
             f"--nproc-per-node {needed} (or as many ranks over its nodes)"
         )
     verify_plan(plan)  # every launch path verifies first: a plan the verifier rejects never runs
     problem = precision_problem(plan) or optimization_problem(plan, options.optimization)
-    if problem := problem or weights_problem(plan, options.weights):
+    if problem := problem or weights_problem(plan, options.weights) or split_problem(plan):
         raise ValueError(problem)
     out.mkdir(parents=True, exist_ok=True)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"

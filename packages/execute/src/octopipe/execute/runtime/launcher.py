@@ -44,6 +44,7 @@ from octopipe.execute.runs import (
     weights_problem,
 )
 from octopipe.execute.runtime.pinning import shared_cores
+from octopipe.execute.runtime.tensor_parallel import split_problem
 from octopipe.execute.runtime.worker import worker_main
 from octopipe.ir import MeshSpec, mesh_spec
 from octopipe.plan.v1 import plan_pb2
@@ -89,6 +90,7 @@ def run_local_many(
     problem = next(filter(None, map(precision_problem, plans)), "")
     problem = problem or next((p for plan in plans if (p := optimization_problem(plan, options.optimization))), "")
     problem = problem or next((p for plan in plans if (p := weights_problem(plan, options.weights))), "")
+    problem = problem or next(filter(None, map(split_problem, plans)), "")  # tp / cp the model cannot take
     if options.weights is not None and options.weights.export and len(plans) > 1:
         problem = problem or "export the weights of one plan at a time: run_local_many ran several"
     problem = problem or gpu_problem(options.device, world, len(visible_gpus()))  # before any rank starts
@@ -154,8 +156,10 @@ def merge_results(
     merged: list[RunResult] = []
     for index, plan in enumerate(plans):
         mesh = mesh_spec(plan)
-        last = [results[mesh.global_rank(plan.stages[-1].rank, d)][index]["losses"] for d in range(mesh.dp)]
-        losses = [sum(step) / mesh.dp for step in zip(*last, strict=True)] if mesh.dp > 1 else list(last[0])
+        # every replica's and context rank's last stage (tensor rank 0): means over equal slices of the batch
+        ends = [mesh.global_rank(plan.stages[-1].rank, d, c) for d in range(mesh.dp) for c in range(mesh.cp)]
+        last = [results[r][index]["losses"] for r in ends]
+        losses = [sum(step) / len(ends) for step in zip(*last, strict=True)] if len(ends) > 1 else list(last[0])
         result = RunResult(losses=losses, wall_s=wall_s, grad_norms=list(results[0][index].get("grad_norms", [])))
         for per_rank in results:
             entry = per_rank[index]

@@ -34,6 +34,18 @@ replica d)). This module is what the worker adds for that:
 
 MoE layers are recognised as the zoo's :class:`octopipe.examples.models.MoE`;
 other models run with ``ep = 1`` (everything FSDP-sharded).
+
+Tensor and context parallelism (``mesh.tp``, ``mesh.cp``, with dp = 1): the
+tp ranks of a stage replica split its layers' heads and hidden units
+(:mod:`octopipe.execute.runtime.tensor_parallel`, Megatron's column- then
+row-parallel split; the all-reduces trace into the captured graphs) and see
+the same tokens; the cp ranks hold consecutive slices of every sequence
+(:mod:`octopipe.execute.runtime.context_parallel`; attention all-gathers keys
+and values) and average every gradient over their group after the backward
+(:meth:`MeshRank.average_context`). Pipeline messages go between processes
+with the same (replica, context rank, tensor rank). Only the zoo's layers
+(attention, SwiGLU, squared-ReLU MLP, Mamba, MoE) can be split; other models
+are refused.
 """
 
 from __future__ import annotations
@@ -53,10 +65,20 @@ from octopipe.ir import MeshSpec, mesh_spec
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform import BWSplit, FSDPStage, ShardSpec, StageCompiler, StageExecutable, shard_parameters
 from octopipe.transform.fsdp import unshard_tensor
+from octopipe.transform.tensor_parallel import TPSpec, gather_tp
 
-__all__ = ["MeshRank", "MeshStage", "replica_batch"]
+__all__ = ["MeshRank", "MeshStage", "context_slice", "replica_batch"]
 
 _EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+def context_slice(
+    tokens: torch.Tensor, targets: torch.Tensor, *, cp: int, context: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context rank ``context``'s slice of every sequence (the c-th of ``cp`` equal slices along dim 1)."""
+    if tokens.shape[1] % cp:
+        raise ValueError(f"the sequence of {tokens.shape[1]} tokens does not split into cp={cp} equal slices")
+    return tokens.chunk(cp, 1)[context].contiguous(), targets.chunk(cp, 1)[context].contiguous()
 
 
 def replica_batch(
@@ -145,7 +167,11 @@ class MeshRank:
     dp_group: dist.ProcessGroup | None = None
     ep_group: dist.ProcessGroup | None = None
     expert_replicas: dist.ProcessGroup | None = None
+    tp_group: dist.ProcessGroup | None = None
+    cp_group: dist.ProcessGroup | None = None
     stages: dict[int, MeshStage] = field(default_factory=dict)
+    #: how each tensor-parallel parameter of this rank's stages is sliced, by name
+    tp_specs: dict[str, TPSpec] = field(default_factory=dict)
 
     @classmethod
     def create(cls, plan: plan_pb2.Plan, global_rank: int, world_size: int) -> MeshRank:
@@ -153,10 +179,12 @@ class MeshRank:
         spec = mesh_spec(plan)
         if spec.world_size != world_size:
             raise ValueError(
-                f"plan {plan.name!r} needs {spec.world_size} processes (pp={spec.pp} x dp={spec.dp}), but the "
-                f"process group has {world_size}: start pp x dp ranks or change the plan's mesh"
+                f"plan {plan.name!r} needs {spec.world_size} processes ({spec.shape}), but the "
+                f"process group has {world_size}: start pp x dp x cp x tp ranks or change the plan's mesh"
             )
         rank = cls(spec=spec, global_rank=global_rank)
+        if spec.tp > 1 or spec.cp > 1:
+            return rank._split_groups()
         if spec.dp == 1:
             return rank
         pipeline_rank = spec.coords(global_rank)[0]
@@ -183,6 +211,40 @@ class MeshRank:
         )
         return rank
 
+    def _split_groups(self) -> MeshRank:
+        spec = self.spec
+        if spec.dp > 1:
+            raise ValueError(
+                f"the runtime runs tp or cp > 1 with dp = 1 only (the mesh is {spec.shape}): "
+                "use dp=1, or tp=cp=1 with FSDP over dp"
+            )
+        where = spec.position(self.global_rank)
+        for p in range(spec.pp):  # every process creates every group, in the same order
+            for c in range(spec.cp):
+                members = spec.tp_group(p, 0, c)
+                group = dist.new_group(list(members)) if spec.tp > 1 else None
+                if self.global_rank in members:
+                    self.tp_group = group
+            for t in range(spec.tp):
+                members = spec.cp_group(p, 0, t)
+                group = dist.new_group(list(members)) if spec.cp > 1 else None
+                if self.global_rank in members:
+                    self.cp_group = group
+        structlog.get_logger("octopipe.mesh").info(
+            "mesh_groups_created",
+            rank=self.global_rank,
+            mesh=spec.shape,
+            pipeline_rank=where.pp,
+            cp=where.cp,
+            tp=where.tp,
+        )
+        return self
+
+    @property
+    def split_layers(self) -> bool:
+        """Whether stages are split over tensor or context ranks (tp or cp > 1)."""
+        return self.spec.tp > 1 or self.spec.cp > 1
+
     @property
     def sharded(self) -> bool:
         """Whether stages are sharded (dp > 1)."""
@@ -198,19 +260,63 @@ class MeshRank:
 
     @property
     def peers(self) -> dict[int, int]:
-        """Pipeline rank -> global rank of this replica's copy: where p2p messages go."""
-        return {p: self.spec.global_rank(p, self.replica) for p in range(self.spec.pp)}
+        """Pipeline rank -> global rank at this process's (replica, context, tensor rank): where p2p messages go."""
+        return self.spec.peers(self.global_rank)
+
+    @property
+    def suffix(self) -> str:
+        """What tells this process's checkpoint files from those of other replicas, context and tensor ranks."""
+        where, spec = self.spec.position(self.global_rank), self.spec
+        parts = [f"#replica{where.dp}of{spec.dp}" if spec.dp > 1 else ""]
+        parts.append(f"#cp{where.cp}of{spec.cp}" if spec.cp > 1 else "")
+        parts.append(f"#tp{where.tp}of{spec.tp}" if spec.tp > 1 else "")
+        return "".join(parts)
 
     def replica_model(self, built: BuiltModel, num_microbatches: int) -> BuiltModel:
-        """``built`` whose ``batch(step)`` is this replica's slice of the global batch."""
-        if self.spec.dp == 1:
+        """``built`` whose ``batch(step)`` is this replica's slice of the global batch (and, with cp > 1, this
+        context rank's slice of every sequence)."""
+        if self.spec.dp == 1 and self.spec.cp == 1:
             return built
         dp, replica, full = self.spec.dp, self.replica, built.batch
+        cp, context = self.spec.cp, self.spec.position(self.global_rank).cp
 
         def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return replica_batch(*full(step), dp=dp, replica=replica, num_microbatches=num_microbatches)
+            tokens, targets = full(step)
+            if dp > 1:
+                tokens, targets = replica_batch(
+                    tokens, targets, dp=dp, replica=replica, num_microbatches=num_microbatches
+                )
+            if cp > 1:
+                tokens, targets = context_slice(tokens, targets, cp=cp, context=context)
+            return tokens, targets
 
         return dataclasses.replace(built, batch=batch)
+
+    def split(self, stages: Sequence[nn.Module], mine: Sequence[int]) -> None:
+        """Split this rank's stages over its context and tensor ranks, in place (cp first, then tp)."""
+        from octopipe.execute.runtime.context_parallel import context_parallel  # noqa: PLC0415 (the zoo is optional)
+        from octopipe.execute.runtime.tensor_parallel import tensor_parallel  # noqa: PLC0415
+
+        for s in mine:
+            if self.cp_group is not None:
+                context_parallel(stages[s], self.cp_group)
+            if self.tp_group is not None:
+                self.tp_specs.update(tensor_parallel(stages[s], self.tp_group))
+
+    def average_context(self, grads: Mapping[str, torch.Tensor | None]) -> None:
+        """Average gradients over the context-parallel group, in place (every cp rank, same names, same order)."""
+        if self.cp_group is None:
+            return
+        for grad in grads.values():
+            if grad is not None:
+                dist.all_reduce(grad, group=self.cp_group)
+                grad.div_(self.spec.cp)
+
+    def counts_norm(self, name: str) -> bool:
+        """Whether this process adds ``name``'s gradient to a clipped global norm: a tensor-parallel slice on
+        every tensor rank, a replicated tensor on tensor rank 0 only, and on context rank 0 only."""
+        where = self.spec.position(self.global_rank)
+        return where.cp == 0 and (where.tp == 0 or name in self.tp_specs)
 
     def compile(
         self, stages: Sequence[nn.Module], inputs: Mapping[int, list[torch.Tensor]], compiler: StageCompiler
@@ -250,6 +356,11 @@ class MeshRank:
 
         Every replica of a pipeline rank must call it with the same names in the same order.
         """
+        if self.tp_specs:
+            return {
+                name: gather_tp(tensor, self.tp_specs[name]) if name in self.tp_specs else tensor.detach().clone()
+                for name, tensor in named.items()
+            }
         if not self.sharded:
             return {name: tensor.detach().clone() for name, tensor in named.items()}
         specs = {n: spec for stage in self.stages.values() for n, spec in stage.specs.items()}

@@ -50,7 +50,8 @@ def stage_key(stage: nn.Module, inputs: Sequence[torch.Tensor], model: bytes) ->
     for a whole-model stage, its model and the tensors crossing its boundaries (plans of a run share them)."""
     boundary = (model, getattr(stage, "input_names", None), getattr(stage, "output_names", None))
     layers = getattr(stage, "layer_names", None)
-    return (layers, getattr(stage, "is_last", None), boundary, tuple((tuple(x.shape), x.dtype) for x in inputs))
+    shapes = tuple(tuple(p.shape) for p in stage.parameters())  # a tensor-parallel slice has other shapes
+    return (layers, getattr(stage, "is_last", None), boundary, tuple((tuple(x.shape), x.dtype) for x in inputs), shapes)
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,6 +118,13 @@ def rank_stages(
     if mesh.sharded:
         executables = dict(mesh.compile(stages, inputs, compiler))
     else:
+        if mesh.split_layers:  # tp / cp > 1: this rank's slices of its stages; the collectives trace into the graphs
+            if whole is not None:
+                raise ValueError(
+                    "tensor and context parallelism split the zoo's layers (layer-list stages); a whole-model "
+                    "capture runs with tp = cp = 1: drop them from the plan's mesh"
+                )
+            mesh.split(stages, mine)
         executables = {
             s: compiler.executable(stages[s], inputs[s], stage_index=s, key=stage_key(stages[s], inputs[s], model_key))
             for s in mine

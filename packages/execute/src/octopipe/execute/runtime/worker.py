@@ -264,7 +264,13 @@ def _run_plan(
     def directions(program: Program) -> list[tuple[int, int]]:  # every replica's channels, in global ranks
         spec = mesh.spec
         pairs = program_channels(program)
-        return [(spec.global_rank(a, d), spec.global_rank(b, d)) for d in range(spec.dp) for a, b in pairs]
+        return [
+            (spec.global_rank(a, d, c, t), spec.global_rank(b, d, c, t))
+            for d in range(spec.dp)
+            for c in range(spec.cp)
+            for t in range(spec.tp)
+            for a, b in pairs
+        ]
 
     groups = channel_groups(directions(compile_plan(plan)))  # collective: one group per direction, every rank
 
@@ -313,15 +319,14 @@ def _run_plan(
     optimization = config.optimization
     optimizer = make_optimizer(weights.optimized, ndims, optimization)
     # a tied parameter's norm is counted by the holder of its first use (every holder has the summed gradient)
-    counted = {n for n in params if n not in tied_names}
+    counted = {n for n in params if n not in tied_names and mesh.counts_norm(n)}
     counted |= {t.uses[0][1] for t in ties if holder(t.uses[0][0]) == rank and t.uses[0][1] in params}
     grad_norms: list[float] = []
     losses: list[float] = []
     timelines: list[StepTimeline] = []
     first_grads: dict[str, torch.Tensor] = {}
     # a mesh's replicas hold different shards and experts under the same names: keep them apart
-    replica, dp = mesh.spec.coords(rank)[1], mesh.spec.dp
-    suffix = f"#replica{replica}of{dp}" if dp > 1 else ""
+    dp, suffix = mesh.spec.dp, mesh.suffix
     if config.resume:
         load_checkpoint(config.checkpoint_dir, config.start_step, weights.optimized, optimizer, suffix=suffix)
         weights.publish()
@@ -346,12 +351,14 @@ def _run_plan(
         if ties:  # a collective: every rank, every step, the same order
             for (_, name), grad in reduce_tied(ties, stages, runtime, plain, holder).items():
                 weights.set_grad(canonical[name], grad)
+        mesh.average_context({n: weights.grad(n) for n in params})  # cp > 1: a collective over the context ranks
         watch.mark()  # the step ends here: the tied-gradient exchange is part of it (as simulated)
         if step == config.start_step and config.keep_grads:
             first_grads = {n: g.clone() for n in params if (g := weights.grad(n)) is not None}
         if optimization.clip_grad_norm:  # a collective: every rank, every step
             grads = {n: weights.grad(n) for n in params}
-            norm = clip_global_norm(grads, list(ndims), optimization.clip_grad_norm, counted=counted, sharded=dp > 1)
+            split = dp > 1 or mesh.split_layers  # slices of one tensor on several ranks: add squared norms
+            norm = clip_global_norm(grads, list(ndims), optimization.clip_grad_norm, counted=counted, sharded=split)
             grad_norms.append(norm)
         set_learning_rate(optimizer, optimization, step)
         optimizer.step()

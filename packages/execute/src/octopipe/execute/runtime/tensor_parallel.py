@@ -1,0 +1,199 @@
+"""Tensor parallelism for the zoo's layers: Megatron-LM's column- then row-parallel split, in place.
+
+:func:`tensor_parallel` slices every tensor-parallel layer of a module (a
+pipeline stage, a whole model) over a process group of ``W`` ranks; rank
+``r`` keeps its slice of each weight under the weight's own name (see
+:class:`octopipe.transform.TPSpec`) and the layer calls
+``octopipe.transform``'s differentiable functional collectives at its edges:
+
+- :class:`Attention`: ``wqkv`` column-parallel in 3 blocks (rank r holds heads
+  r*H/W .. of q, of k and of v), ``wo`` row-parallel; heads per rank H / W.
+- :class:`SwiGLU`: ``w1`` and ``w3`` column-, ``w2`` row-parallel;
+  :class:`SquaredReluMLP`: ``up`` column-, ``down`` row-parallel.
+- :class:`Mamba` (per-channel and per-head forms): ``in_proj`` column-parallel
+  in 2 blocks (u and z), the depthwise ``conv``, ``dt_proj``, ``a_log`` and ``d``
+  split by channel (or head), ``x_proj`` row-parallel with an all-reduce both
+  ways (its output, dt / B / C, is used by every rank on its own channels only),
+  ``out_proj`` row-parallel.
+- :class:`MoE`: every expert's hidden units (``w1``/``w3`` column-, ``w2``
+  row-parallel); the router stays whole. The collectives wrap the experts only
+  (the dispatch buffer in, the expert outputs out): routing is replicated, so
+  its gradient is too.
+
+Layer inputs pass through ``copy_to_tp`` (identity; their gradient is
+all-reduced) and outputs through ``reduce_from_tp`` (all-reduced; identity
+backward). Everything else (embedding, norms, head and loss) is replicated:
+every rank computes the same activations and the same gradients for them.
+Per layer this is one all-reduce of a ``[batch, seq, hidden]`` activation in
+the forward and one in the backward, for the mixer and for the MLP each.
+Dropout is refused (the ranks' random streams would have to agree).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from octopipe.examples.models import Attention, Block, Mamba, MoE, SquaredReluMLP, SwiGLU
+from octopipe.execute.runtime.models import build_model
+from octopipe.execute.runtime.pretrained import params_on_meta
+from octopipe.ir import PlanError, check_mesh_model, mesh_spec
+from octopipe.plan.v1 import plan_pb2
+from octopipe.transform.tensor_parallel import TPSpec, all_reduce_tp, copy_to_tp, reduce_from_tp, slice_parameter
+
+__all__ = ["split_problem", "tensor_parallel", "tensor_parallel_facts"]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def _edges(module: nn.Module, group_name: str) -> None:
+    def enter(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (copy_to_tp(args[0], group_name), *args[1:])
+
+    def leave(_: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(out, group_name)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)
+
+
+def _split(
+    module: nn.Module, prefix: str, group: dist.ProcessGroup, layout: dict[str, tuple[int, int]]
+) -> dict[str, TPSpec]:
+    specs = {}
+    for path, (dim, blocks) in layout.items():
+        owner_path, _, name = path.rpartition(".")
+        owner = module.get_submodule(owner_path) if owner_path else module
+        specs[f"{prefix}{path}"] = slice_parameter(owner, name, dim=dim, blocks=blocks, group=group)
+    return specs
+
+
+def _attention(module: Attention, prefix: str, group: dist.ProcessGroup, world: int) -> dict[str, TPSpec]:
+    if module.heads % world:
+        raise ValueError(f"{prefix or 'attention'}: tp={world} does not divide its {module.heads} heads")
+    specs = _split(module, prefix, group, {"wqkv.weight": (0, 3), "wo.weight": (1, 1)})
+    module.heads //= world
+    _edges(module, str(group.group_name))
+    return specs
+
+
+def _mamba(module: Mamba, prefix: str, group: dist.ProcessGroup, world: int) -> dict[str, TPSpec]:
+    channels = module.heads if module.heads is not None else module.inner
+    if channels % world:
+        raise ValueError(f"{prefix or 'mamba'}: tp={world} does not divide its {channels} heads (channels)")
+    layout = {
+        "in_proj.weight": (0, 2),
+        "conv.weight": (0, 1),
+        "x_proj.weight": (1, 1),
+        "dt_proj.weight": (0, 1),
+        "a_log": (0, 1),
+        "d": (0, 1),
+        "out_proj.weight": (1, 1),
+    }
+    for optional in ("conv.bias", "dt_proj.bias"):
+        owner, _, name = optional.partition(".")
+        if getattr(module.get_submodule(owner), name) is not None:
+            layout[optional] = (0, 1)
+    specs = _split(module, prefix, group, layout)
+    module.inner //= world
+    if module.heads is not None:
+        module.heads //= world
+    module.conv.groups = module.conv.in_channels = module.conv.out_channels = module.inner
+    name = str(group.group_name)
+    module.x_proj.register_forward_hook(lambda _m, _a, out: all_reduce_tp(out, name))
+    _edges(module, name)
+    return specs
+
+
+def _moe(module: MoE, prefix: str, group: dist.ProcessGroup, world: int) -> dict[str, TPSpec]:
+    if type(module) is not MoE:
+        raise ValueError(f"{prefix or 'moe'}: tensor parallelism with expert parallelism is not supported: use ep=1")
+    specs = _split(module, prefix, group, {"w1": (2, 1), "w3": (2, 1), "w2": (1, 1)})
+    name = str(group.group_name)
+    experts: Callable[[torch.Tensor], torch.Tensor] = module.expert_forward
+
+    def expert_forward(buffer: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(experts(copy_to_tp(buffer, name)), name)
+
+    module.expert_forward = expert_forward  # type: ignore[method-assign]
+    return specs
+
+
+def tensor_parallel(module: M, group: dist.ProcessGroup) -> dict[str, TPSpec]:
+    """Slice every tensor-parallel layer of ``module`` over ``group`` in place (see the module docstring).
+
+    Every rank must hold the same whole weights first (built from the same
+    seed). Returns each sliced parameter's spec by its name in ``module``.
+    """
+    world = dist.get_world_size(group)
+    specs: dict[str, TPSpec] = {}
+    if world == 1:
+        return specs
+    for prefix, sub in list(module.named_modules()):
+        dotted = f"{prefix}." if prefix else ""
+        if isinstance(sub, Block) and sub.dropout:
+            raise ValueError(f"{prefix}: tensor parallelism needs dropout 0 (got {sub.dropout}): build without dropout")
+        if isinstance(sub, Attention):
+            if sub.dropout:
+                raise ValueError(f"{prefix}: tensor parallelism needs attention dropout 0 (got {sub.dropout})")
+            specs.update(_attention(sub, dotted, group, world))
+        elif isinstance(sub, SwiGLU):
+            specs.update(_split(sub, dotted, group, {"w1.weight": (0, 1), "w3.weight": (0, 1), "w2.weight": (1, 1)}))
+            _edges(sub, str(group.group_name))
+        elif isinstance(sub, SquaredReluMLP):
+            specs.update(_split(sub, dotted, group, {"up.weight": (0, 1), "down.weight": (1, 1)}))
+            _edges(sub, str(group.group_name))
+        elif isinstance(sub, Mamba):
+            specs.update(_mamba(sub, dotted, group, world))
+        elif isinstance(sub, MoE):
+            specs.update(_moe(sub, dotted, group, world))
+    return specs
+
+
+def tensor_parallel_facts(model: nn.Module) -> dict[str, int]:
+    """The sizes a tp degree must divide (``octopipe.ir.check_mesh_model``'s facts), from the model's layers."""
+    facts: dict[str, int] = {}
+    for sub in model.modules():
+        if isinstance(sub, Attention):
+            facts["heads"] = sub.heads
+        elif isinstance(sub, Mamba):
+            facts["mamba_heads"] = sub.heads if sub.heads is not None else sub.inner
+            facts["mamba_layers"] = facts.get("mamba_layers", 0) + 1
+        elif isinstance(sub, SwiGLU):
+            facts["ffn"] = sub.w1.out_features
+        elif isinstance(sub, SquaredReluMLP):
+            facts["mlp_ffn"] = sub.up.out_features
+    return facts
+
+
+def split_problem(plan: plan_pb2.Plan) -> str:
+    """Why ``plan``'s model cannot be split over its mesh's tp and cp ranks, in one line ("" when it can).
+
+    Builds the model with meta parameters (no memory, no weights drawn) to read its sizes, and refuses
+    what the runtime would otherwise discover in every rank: tp not dividing heads or hidden units, cp
+    not dividing the sequence, cp on Mamba layers, a model none of whose layers can be split."""
+    spec = mesh_spec(plan)
+    if spec.tp == 1 and spec.cp == 1:
+        return ""
+    if spec.dp > 1:
+        return f"the runtime runs tp or cp > 1 with dp = 1 only (the mesh is {spec.shape}): use dp=1, or tp=cp=1"
+    with params_on_meta():
+        built = build_model(plan.model)
+    if built.input_names is not None:
+        return (
+            f"tensor and context parallelism ({spec.shape}) split the zoo's layers (layer-list stages); "
+            "a whole-model capture runs with tp = cp = 1: drop them from the plan's mesh"
+        )
+    facts = tensor_parallel_facts(built.model)
+    if spec.tp > 1 and not facts:
+        return f"tp={spec.tp}: the model has no layer tensor parallelism can split (attention, MLP, Mamba): use tp=1"
+    facts["sequence"] = int(built.batch(0)[0].shape[1])
+    try:
+        check_mesh_model(spec, facts)
+    except PlanError as error:
+        return str(error)
+    return ""
