@@ -61,6 +61,7 @@ from octopipe.simulate.exposure import exposed_collective_us
 from octopipe.simulate.local import LOCAL_GLOO_LINK, local_cost_model, local_link
 from octopipe.simulate.profiles import uniform_profile
 from octopipe.simulate.simulator import ActionTiming, Simulation, SimulationConfig, simulate, verify_plan
+from octopipe.simulate.tensor_parallel import ParallelTraffic, layer_traffic, split_layer, traffic_us
 from octopipe.simulate.trace import plot_timeline, to_chrome_trace, write_chrome_trace
 
 try:
@@ -84,6 +85,7 @@ __all__ = [
     "MeshSpec",
     "MissingInputError",
     "OverlapModel",
+    "ParallelTraffic",
     "PathStep",
     "PlanError",
     "RankEstimate",
@@ -105,6 +107,7 @@ __all__ = [
     "fit_link_latency",
     "format_action",
     "format_grid",
+    "layer_traffic",
     "load_plan",
     "local_cost_model",
     "local_link",
@@ -119,10 +122,12 @@ __all__ = [
     "reduce_scatter_us",
     "save_plan",
     "simulate",
+    "split_layer",
     "stage_cost_from_layers",
     "stage_scratch",
     "tied_exchanges",
     "to_chrome_trace",
+    "traffic_us",
     "uniform_profile",
     "validate_plan",
     "verify_plan",

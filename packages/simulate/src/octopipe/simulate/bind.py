@@ -27,7 +27,18 @@ Plans with a mesh of dp > 1 (data parallelism; see ``octopipe.ir.mesh``):
   only the sharded gradients (in the static bytes) remain; unsharded means the
   rank's share (dense + experts / ep).
 
-Without a mesh (or with dp = ep = 1) nothing here changes a duration or a byte.
+Tensor and context parallelism (tp or cp > 1; ``octopipe.simulate.tensor_parallel``):
+the stages' costs are already one (tensor rank, context rank)'s share; with
+``CostModel.collectives`` set, each stage's TP all-reduces and CP all-gathers /
+reduce-scatters are added to its F, I and B (tp group: ``tp`` consecutive
+ranks; cp group: ``cp`` ranks spanning ``cp * tp``), an OVERLAP_F_B unit
+takes the longer of its compute and its halves' traffic, and the per-step
+all-reduce of the stage's gradients over cp (its FSDP shard with dp > 1) is
+added to its REDUCE_GRAD, or, for a stage without one, to the step's tail. The
+data- and expert-parallel groups then span ``cp * tp`` times as many ranks
+(their link is looked up by that span).
+
+Without a mesh (or with dp = ep = tp = cp = 1) nothing here changes a duration or a byte.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ from octopipe.ir.program import (
 )
 from octopipe.simulate.collectives import all_gather_us, all_to_all_us, bucketed_us, reduce_scatter_us
 from octopipe.simulate.costs import CostModel, StageCost
+from octopipe.simulate.tensor_parallel import gradient_all_reduce_us, traffic_us
 
 __all__ = ["Bound", "bind"]
 
@@ -97,8 +109,13 @@ def bind(program: Program, costs: CostModel) -> Bound:
         (s, code): costs.duration_us(s, kind) for s in range(num_stages) for code, kind in _KINDS.items()
     }
     a2a = [0.0] * num_stages
+    mesh = program.plan.mesh if program.plan.HasField("mesh") else None
+    tp, cp = (mesh.tp or 1, mesh.cp or 1) if mesh is not None else (1, 1)
     if costs.collectives is not None and (program.dp > 1 or program.ep > 1):
-        a2a = _mesh_durations(program, costs, table)
+        a2a = _mesh_durations(program, costs, table, tp * cp)
+    exchange_f, exchange_b, parallel_tail = a2a, a2a, 0.0
+    if any(stage.parallel is not None for stage in costs.stages):
+        exchange_f, exchange_b, parallel_tail = _parallel_durations(program, costs, table, tp, cp, a2a)
     saved = [stage.activation_bytes for stage in costs.stages]
     freed_by_input = [stage.freed_by_backward_input_bytes for stage in costs.stages]
     unsharded_bytes = [
@@ -157,7 +174,7 @@ def bind(program: Program, costs: CostModel) -> Bound:
                 key = (label[1], label[4], label[3])
                 if key not in overlap_cache:
                     unit = costs.overlap_us(label[1], label[4], _KINDS[label[3]])
-                    exchanged = a2a[label[1]] + a2a[label[4]]
+                    exchanged = exchange_f[label[1]] + exchange_b[label[4]]
                     overlap_cache[key] = exchanged if exchanged > unit else unit
                 d_row[step] = overlap_cache[key]
                 a_row[step] = saved[label[1]] + (kept[label[4]] if label[3] == I else 0)
@@ -201,6 +218,8 @@ def bind(program: Program, costs: CostModel) -> Bound:
         else:
             static[rank] += cost.static_bytes
     tail_us, tail_bytes = _tied_tail(program, costs)
+    if parallel_tail:
+        tail_us += parallel_tail
     return Bound(
         tail_us=tail_us,
         tail_bytes=tail_bytes,
@@ -217,8 +236,11 @@ def bind(program: Program, costs: CostModel) -> Bound:
     )
 
 
-def _mesh_durations(program: Program, costs: CostModel, table: dict[tuple[int, int], float]) -> list[float]:
-    """Time collectives by group size in ``table``; return each stage's all-to-all time per F (or I, B)."""
+def _mesh_durations(
+    program: Program, costs: CostModel, table: dict[tuple[int, int], float], span: int = 1
+) -> list[float]:
+    """Time collectives by group size in ``table``; return each stage's all-to-all time per F (or I, B).
+    ``span``: cp x tp, the stride of the data-parallel groups' ranks (their links are looked up by span)."""
     links = costs.collectives
     assert links is not None
     measured = costs.durations_us
@@ -228,8 +250,8 @@ def _mesh_durations(program: Program, costs: CostModel, table: dict[tuple[int, i
         cost = costs.stages[stage]
         if program.dp > 1:
             dp, ep = program.dp, program.ep
-            dense_link = links.data_parallel_link(rank, dp)
-            expert_link = links.data_parallel_link(rank, dp // ep)
+            dense_link = links.data_parallel_link(rank, dp * span)
+            expert_link = links.data_parallel_link(rank, dp // ep * span)
             if (stage, ActionKind.UNSHARD) not in measured:
                 held = _held(cost)
                 expert = _expert_part(cost, held) if ep > 1 else 0
@@ -243,12 +265,52 @@ def _mesh_durations(program: Program, costs: CostModel, table: dict[tuple[int, i
                 if expert:
                     table[stage, REDUCE_GRAD] += reduce_scatter_us(expert_link, dp // ep, -(-expert // ep))
         if program.ep > 1 and cost.all_to_all_bytes:
-            link = links.expert_parallel_link(rank, program.ep)
+            link = links.expert_parallel_link(rank, program.ep * span)
             a2a[stage] = all_to_all_us(link, program.ep, cost.all_to_all_bytes)
             for code in (F, I, B):
                 if (stage, _KINDS[code]) not in measured:
                     table[stage, code] += a2a[stage]
     return a2a
+
+
+def _parallel_durations(
+    program: Program, costs: CostModel, table: dict[tuple[int, int], float], tp: int, cp: int, a2a: list[float]
+) -> tuple[list[float], list[float], float]:
+    """Add each stage's TP/CP traffic to its F, I, B (and the cp gradient all-reduce to its REDUCE_GRAD) in
+    ``table``; return per stage what F and what I/B exchange (all-to-alls included) and the step's tail."""
+    exchange_f, exchange_b = list(a2a), list(a2a)
+    for stage, cost in enumerate(costs.stages):
+        if cost.parallel is not None and (cost.parallel.tp, cost.parallel.cp) != (tp, cp):
+            raise ValueError(
+                f"stage {stage}'s costs are for tp={cost.parallel.tp}, cp={cost.parallel.cp}, but the plan's mesh has "
+                f"tp={tp}, cp={cp}: build the cost model from this plan (CostModel.from_profile)"
+            )
+    links = costs.collectives
+    if links is None:  # as for all-to-alls: no group costs, no collective time
+        return exchange_f, exchange_b, 0.0
+    measured = costs.durations_us
+    reduced = {label[1] for row in program.labels for label in row if label[0] == REDUCE_GRAD}
+    tail = [0.0] * program.num_ranks
+    for stage, rank in enumerate(program.placement):
+        cost = costs.stages[stage]
+        if cost.parallel is None:
+            continue
+        tp_link = links.tensor_parallel_link(rank, tp) if tp > 1 else None
+        cp_link = links.context_parallel_link(rank, cp, cp * tp) if cp > 1 else None
+        forward, backward = traffic_us(cost.parallel, tp_link, cp_link)
+        exchange_f[stage] += forward
+        exchange_b[stage] += backward
+        for code, extra in ((F, forward), (I, backward), (B, backward)):
+            if extra and (stage, _KINDS[code]) not in measured:
+                table[stage, code] += extra
+        if cp_link is not None:
+            size = -(-cost.gradient_bytes // program.dp)  # after REDUCE_GRAD an FSDP stage holds its shard
+            reduce_us = gradient_all_reduce_us(cp_link, cp, size)
+            if stage not in reduced:
+                tail[rank] += reduce_us
+            elif (stage, ActionKind.REDUCE_GRAD) not in measured:
+                table[stage, REDUCE_GRAD] += reduce_us
+    return exchange_f, exchange_b, max(tail)
 
 
 def _held(cost: StageCost) -> int:

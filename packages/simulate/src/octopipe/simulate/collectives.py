@@ -14,6 +14,13 @@ bytes (the whole, unsharded tensor):
 A group of one rank costs nothing (no latency either). :class:`GroupLinks`
 holds the (latency, bandwidth) of each kind of group, per pipeline rank or for
 all of them, as a Profile's ``CollectiveCost`` entries give them.
+
+Which ranks a group spans (the mesh's rank order is pipeline, replica, context
+rank, tensor rank, tensor innermost): a tensor-parallel group is ``tp``
+consecutive ranks; a context-parallel group ``cp`` ranks ``tp`` apart, spanning
+``cp * tp``; a data-parallel group ``dp`` ranks ``cp * tp`` apart, spanning
+``dp * cp * tp``. A ``*_within[N]`` entry (groups inside a node of N ranks)
+holds a group whose span is at most N.
 """
 
 from __future__ import annotations
@@ -79,14 +86,16 @@ def all_to_all_us(link: Link, group_size: int, num_bytes: int) -> float:
 
 @dataclass(kw_only=True, frozen=True)
 class GroupLinks:
-    """The hop cost of each kind of mesh group: data-parallel (FSDP) and expert-parallel.
+    """The hop cost of each kind of mesh group: data-parallel (FSDP), expert-parallel, tensor- and context-parallel.
 
     For a group of n ranks of pipeline rank p the link is, in order: the
     ``*_by_rank[p]`` override; else the ``*_within[N]`` entry with the smallest
     N >= n (groups of at most N ranks, e.g. ``{8: nvlink}`` for groups inside an
     8-GPU node; assumes groups of consecutive, node-aligned ranks, as the default
     rank map gives when dp divides the node size); else ``data_parallel`` /
-    ``expert_parallel``.
+    ``expert_parallel``. Tensor- and context-parallel groups without entries of
+    their own take the data-parallel entries for their span (module doc): a tp
+    group inside a node rides the node's link.
     """
 
     data_parallel: Link | None = None
@@ -95,6 +104,12 @@ class GroupLinks:
     expert_parallel_by_rank: Mapping[int, Link] = field(default_factory=dict)
     data_parallel_within: Mapping[int, Link] = field(default_factory=dict)
     expert_parallel_within: Mapping[int, Link] = field(default_factory=dict)
+    tensor_parallel: Link | None = None
+    context_parallel: Link | None = None
+    tensor_parallel_by_rank: Mapping[int, Link] = field(default_factory=dict)
+    context_parallel_by_rank: Mapping[int, Link] = field(default_factory=dict)
+    tensor_parallel_within: Mapping[int, Link] = field(default_factory=dict)
+    context_parallel_within: Mapping[int, Link] = field(default_factory=dict)
 
     def data_parallel_link(self, pipeline_rank: int, group_size: int | None = None) -> Link:
         """The hop cost of ``pipeline_rank``'s data-parallel group (of ``group_size`` ranks, if known)."""
@@ -113,19 +128,41 @@ class GroupLinks:
             "EXPERT",
         )
 
+    def tensor_parallel_link(self, pipeline_rank: int, group_size: int) -> Link:
+        """The hop cost of ``pipeline_rank``'s tensor-parallel groups (``group_size`` consecutive ranks)."""
+        found = _find(
+            self.tensor_parallel_by_rank, self.tensor_parallel_within, self.tensor_parallel, pipeline_rank, group_size
+        )
+        return found if found is not None else self.data_parallel_link(pipeline_rank, group_size)
+
+    def context_parallel_link(self, pipeline_rank: int, group_size: int, span: int) -> Link:
+        """The hop cost of ``pipeline_rank``'s context-parallel groups (``group_size`` ranks over ``span``)."""
+        found = _find(
+            self.context_parallel_by_rank, self.context_parallel_within, self.context_parallel, pipeline_rank, span
+        )
+        return found if found is not None else self.data_parallel_link(pipeline_rank, span)
+
     @classmethod
     def from_profile(cls, profile: profile_pb2.Profile) -> GroupLinks | None:
         """The profile's ``collectives`` (None when it has none)."""
         if not profile.collectives:
             return None
-        kinds = (profile_pb2.GROUP_KIND_DATA_PARALLEL, profile_pb2.GROUP_KIND_EXPERT_PARALLEL)
+        kinds = (
+            profile_pb2.GROUP_KIND_DATA_PARALLEL,
+            profile_pb2.GROUP_KIND_EXPERT_PARALLEL,
+            profile_pb2.GROUP_KIND_TENSOR_PARALLEL,
+            profile_pb2.GROUP_KIND_CONTEXT_PARALLEL,
+        )
         shared: dict[int, Link] = {}
         by_rank: dict[int, dict[int, Link]] = {kind: {} for kind in kinds}
         within: dict[int, dict[int, Link]] = {kind: {} for kind in kinds}
         for index, cost in enumerate(profile.collectives):
             where = f"profile collectives[{index}]"
             if cost.group not in kinds:
-                raise ValueError(f"{where}: set group to GROUP_KIND_DATA_PARALLEL or GROUP_KIND_EXPERT_PARALLEL")
+                raise ValueError(
+                    f"{where}: set group to GROUP_KIND_DATA_PARALLEL, GROUP_KIND_EXPERT_PARALLEL, "
+                    "GROUP_KIND_TENSOR_PARALLEL or GROUP_KIND_CONTEXT_PARALLEL"
+                )
             try:
                 link = Link.from_proto(cost)
             except ValueError as exc:
@@ -140,7 +177,7 @@ class GroupLinks:
                 within[cost.group][cost.max_group_size] = link
             else:
                 shared[cost.group] = link
-        data, expert = kinds
+        data, expert, tensor, context = kinds
         return cls(
             data_parallel=shared.get(data),
             expert_parallel=shared.get(expert),
@@ -148,6 +185,12 @@ class GroupLinks:
             expert_parallel_by_rank=by_rank[expert],
             data_parallel_within=within[data],
             expert_parallel_within=within[expert],
+            tensor_parallel=shared.get(tensor),
+            context_parallel=shared.get(context),
+            tensor_parallel_by_rank=by_rank[tensor],
+            context_parallel_by_rank=by_rank[context],
+            tensor_parallel_within=within[tensor],
+            context_parallel_within=within[context],
         )
 
     def to_proto(self) -> list[profile_pb2.CollectiveCost]:
@@ -166,6 +209,18 @@ class GroupLinks:
                 self.expert_parallel_by_rank,
                 self.expert_parallel_within,
             ),
+            (
+                profile_pb2.GROUP_KIND_TENSOR_PARALLEL,
+                self.tensor_parallel,
+                self.tensor_parallel_by_rank,
+                self.tensor_parallel_within,
+            ),
+            (
+                profile_pb2.GROUP_KIND_CONTEXT_PARALLEL,
+                self.context_parallel,
+                self.context_parallel_by_rank,
+                self.context_parallel_within,
+            ),
         ):
             if shared is not None:
                 out.append(_entry(kind, shared))
@@ -182,6 +237,21 @@ def _entry(kind: profile_pb2.GroupKind.ValueType, link: Link, **where: int) -> p
     )
 
 
+def _find(
+    by_rank: Mapping[int, Link],
+    within: Mapping[int, Link],
+    shared: Link | None,
+    pipeline_rank: int,
+    group_size: int | None,
+) -> Link | None:
+    found = by_rank.get(pipeline_rank)
+    if found is None and group_size is not None:
+        bounds = [size for size in within if size >= group_size]
+        if bounds:
+            found = within[min(bounds)]
+    return shared if found is None else found
+
+
 def _pick(
     by_rank: Mapping[int, Link],
     within: Mapping[int, Link],
@@ -190,13 +260,7 @@ def _pick(
     group_size: int | None,
     kind: str,
 ) -> Link:
-    found = by_rank.get(pipeline_rank)
-    if found is None and group_size is not None:
-        bounds = [size for size in within if size >= group_size]
-        if bounds:
-            found = within[min(bounds)]
-    if found is None:
-        found = shared
+    found = _find(by_rank, within, shared, pipeline_rank, group_size)
     if found is None:
         name = "data-parallel" if kind == "DATA" else "expert-parallel"
         raise ValueError(

@@ -14,13 +14,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from octopipe.ir.actions import ActionKind
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate.collectives import GroupLinks
 from octopipe.simulate.links import Link
+from octopipe.simulate.tensor_parallel import ParallelTraffic, split_layers
 
 __all__ = [
     "CostModel",
@@ -61,6 +62,10 @@ class StageCost:
     ``*_scratch_bytes``: what an action of the kind allocates and frees again
     before it ends (intermediates), held for the action's duration; the most
     of the stage's layers (they run one after another).
+    ``parallel``: with tensor or context parallelism (mesh tp or cp > 1), the
+    stage's collectives per micro-batch (``octopipe.simulate.tensor_parallel``);
+    every other field is then one (tensor rank, context rank)'s share. None:
+    no TP/CP traffic (the fields are what the rank does).
     """
 
     forward_us: float = 0.0
@@ -83,6 +88,7 @@ class StageCost:
     backward_input_scratch_bytes: int = 0
     backward_weight_scratch_bytes: int = 0
     full_backward_scratch_bytes: int = 0
+    parallel: ParallelTraffic | None = None
 
     def __post_init__(self) -> None:
         for name in ("forward_us", "backward_input_us", "backward_weight_us", "unshard_us", "reduce_grad_us"):
@@ -221,7 +227,10 @@ class CostModel:
     bytes over the data-parallel group, once per bucket of ``bucket_bytes``
     per rank (None: one collective per stage, the runtime's default
     ``BucketPolicy``); with ep > 1 the stage's all-to-alls are added to F, I
-    and B. Measured ``durations_us`` still win. Without it
+    and B; with tp or cp > 1 (stages with ``StageCost.parallel``) the stages'
+    tensor- and context-parallel collectives are added to F, I and B and the
+    per-step gradient all-reduce over cp to REDUCE_GRAD (see
+    ``octopipe.simulate.tensor_parallel``). Measured ``durations_us`` still win. Without it
     (or without a mesh) the StageCost's ``unshard_us`` / ``reduce_grad_us``
     apply, as before.
 
@@ -285,13 +294,17 @@ class CostModel:
 
         ``collective_bandwidth_bytes_per_second`` times UNSHARD (parameter bytes)
         and REDUCE_GRAD (gradient bytes); without it collectives take no time.
+        A plan whose mesh has tp or cp > 1 gets each stage as one (tensor rank,
+        context rank) runs it, with its TP/CP traffic (``stage_cost_from_layers``).
         The Profile's ``collectives`` (per group kind) become ``collectives``,
         which time them by group size in plans with a mesh.
         """
         layers = {layer.layer_name: layer for layer in profile.layers}
         stage_layers = [tuple(stage.layer_names) for stage in plan.stages]
+        # tensor / context parallelism: each stage's costs are one (tensor rank, context rank)'s share
+        tp, cp = (plan.mesh.tp or 1, plan.mesh.cp or 1) if plan.HasField("mesh") else (1, 1)
         costs = [
-            _stage_cost(index, names, layers, collective_bandwidth_bytes_per_second)
+            _stage_cost(index, names, layers, collective_bandwidth_bytes_per_second, tp, cp)
             for index, names in enumerate(stage_layers)
         ]
         links = {}
@@ -400,6 +413,8 @@ def _stage_cost(
     names: tuple[str, ...],
     layers: Mapping[str, profile_pb2.LayerCost],
     collective_bandwidth: float | None,
+    tp: int = 1,
+    cp: int = 1,
 ) -> StageCost:
     if not names:
         raise ValueError(
@@ -411,22 +426,37 @@ def _stage_cost(
     if missing:
         raise ValueError(f"stage {index}: layers {missing} are not in the profile: profile them or fix the plan")
     try:
-        return stage_cost_from_layers([layers[name] for name in names], collective_bandwidth=collective_bandwidth)
+        return stage_cost_from_layers(
+            [layers[name] for name in names], collective_bandwidth=collective_bandwidth, tp=tp, cp=cp
+        )
     except ValueError as exc:
         raise ValueError(f"stage {index} (layers {list(names)}): {exc}") from None
 
 
 def stage_cost_from_layers(
-    costs: Sequence[profile_pb2.LayerCost], *, collective_bandwidth: float | None = None
+    costs: Sequence[profile_pb2.LayerCost],
+    *,
+    collective_bandwidth: float | None = None,
+    tp: int = 1,
+    cp: int = 1,
 ) -> StageCost:
     """One stage's cost from its layers' LayerCost, in model order: the one place a stage is summed.
 
     ``CostModel.from_profile`` and the tuner (whose stages change as it
     searches) both call it, so a tuned plan means the same on both sides.
     ``collective_bandwidth`` (bytes/s) times UNSHARD and REDUCE_GRAD; None: free.
+    ``tp`` / ``cp`` > 1: every layer's share on one (tensor rank, context rank)
+    is summed instead, and ``parallel`` holds the stage's TP/CP traffic
+    (``octopipe.simulate.tensor_parallel``); at tp = cp = 1 nothing changes.
     """
     if not costs:
         raise ValueError("a stage needs at least one layer")
+    if tp < 1 or cp < 1:
+        raise ValueError(f"tp and cp must be >= 1, got tp={tp}, cp={cp}")
+    if tp * cp > 1:
+        shares, traffic = split_layers(costs, tp, cp)
+        whole = stage_cost_from_layers(shares, collective_bandwidth=collective_bandwidth)
+        return replace(whole, parallel=traffic)
     saved = sum(c.activation_saved_bytes for c in costs)
     params = sum(c.parameter_bytes for c in costs)
     grads = sum(c.gradient_bytes for c in costs)
@@ -436,6 +466,7 @@ def stage_cost_from_layers(
     # a stage whose input needs no gradient (the model's data) has no I to compute: its W back-propagates
     # through the stage itself (the runtime's split graphs do exactly this)
     first = costs[0].input_without_gradient
+    scratch = stage_scratch(costs, first=first)
     return StageCost(
         forward_us=sum(c.forward_duration_us for c in costs),
         backward_input_us=0.0 if first else sum(c.backward_input_duration_us for c in costs),
@@ -459,7 +490,10 @@ def stage_cost_from_layers(
         all_to_all_bytes=sum(c.all_to_all_bytes for c in costs),
         expert_parameter_bytes=sum(c.expert_parameter_bytes for c in costs),
         kept_for_weight_bytes=0 if first else sum(c.backward_input_kept_bytes for c in costs),
-        **stage_scratch(costs, first=first),
+        forward_scratch_bytes=scratch["forward_scratch_bytes"],
+        backward_input_scratch_bytes=scratch["backward_input_scratch_bytes"],
+        backward_weight_scratch_bytes=scratch["backward_weight_scratch_bytes"],
+        full_backward_scratch_bytes=scratch["full_backward_scratch_bytes"],
     )
 
 

@@ -1,0 +1,286 @@
+"""Tensor and context parallelism inside pipeline stages: one rank's share of a layer, and its traffic.
+
+The mesh (``octopipe.ir.mesh``) puts ``tp`` tensor ranks innermost (consecutive
+global ranks, one node's links) and ``cp`` context ranks ``tp`` apart. The
+simulator times one (tensor rank, context rank) of one pipeline replica: all of
+them run the same program on equal shares. The runtime runs TP as Megatron-LM
+does (column-parallel then row-parallel linear layers) and CP as Llama 3 does
+(each rank holds s/cp tokens; attention all-gathers the keys and values).
+
+**Which layers split over tp.** ``LayerCost.layer_type`` is a ``+``-joined list
+of components (``attention``, ``mamba``, ``mamba2``, ``swiglu``, ``relu2``,
+``mlp``, ``moe``, ``embedding``, ``head``, ...). A layer whose components are
+all in :data:`TP_SPLIT` (MoE: every expert's hidden units, the router whole,
+as the runtime splits them), or whose profile entry sets
+``tensor_parallel_all_reduce_bytes``, is split; any other (embedding, head,
+unknown kinds) is replicated on the tp ranks: whole compute, whole
+parameters, no tensor-parallel traffic.
+
+**One rank's share** of a layer (``split_layer``), with ``q = tp * cp`` for a
+split layer and ``q = cp`` for a replicated one:
+
+* F, I, W and B time / q (matmuls, attention's scores: s/cp queries against all
+  s keys, the Mamba scan over its heads; norms are taken as negligible);
+* parameters, gradients, optimizer state / tp for a split layer (whole when
+  replicated); every cp rank holds them whole (cp is data parallelism for the
+  weights);
+* saved activations ``(R + (A - R) / tp) / cp`` for a split layer (A / cp when
+  replicated), R = ``tensor_parallel_replicated_activation_bytes`` or
+  ``min(A, 2 k O)``: each of the layer's k split components keeps its norm's
+  input and output ([b, s, h], the size O of the layer's output tensors) whole
+  on every tp rank; what I frees and keeps for W, and F's and I's scratch, / q;
+  W's and B's scratch (mostly fresh gradients) / tp for a split layer;
+* boundary tensors and MoE all-to-all bytes / cp (the rank's tokens);
+* with cp > 1, F's and I/B's scratch also hold the other ranks' keys and
+  values: ``(cp - 1) / cp * KV / tp``.
+
+**Traffic** of one rank for one micro-batch (``layer_traffic``):
+
+* TP, forward: all-reduces of ``V / cp`` bytes in ``c`` collectives,
+  V = ``tensor_parallel_all_reduce_bytes`` or ``k O`` (one [b, s, h] output per
+  split component), c = ``tensor_parallel_all_reduces`` or one per component
+  (two per Mamba mixer: its small x_proj all-reduce, whose bytes only the
+  profile field carries, and its out_proj; a MoE's all-reduce of its experts'
+  outputs is top-k times O, which only the profile field carries);
+* TP, input-gradient backward (I or B): the same again, plus the forward's once
+  more when ``backward_recomputes_forward`` (activation checkpointing);
+* CP, forward: one all-gather of ``KV / tp`` bytes (the whole gathered tensor)
+  per attention component, KV = ``context_parallel_gather_bytes`` or ``2 O``
+  (keys and values at the full hidden size: no grouped-query sharing, an upper
+  bound); backward: the reduce-scatter of their gradients (same formula), plus
+  the all-gather again when recomputing;
+* CP, once per step: the stage's gradients all-reduced over the cp group (after
+  the REDUCE_GRAD of an FSDP stage: its 1/dp shard).
+
+**Times** (ring formulas of ``octopipe.simulate.collectives``, over the group's
+link, n ranks, B bytes in c collectives):
+``all-reduce: 2 ((n-1)/n B / bw + c (n-1) lat)``;
+``all-gather, reduce-scatter: (n-1)/n B / bw + c (n-1) lat``. The TP and CP
+collectives of a layer block its computation (they sit between its matmuls):
+they add to F, I and B on the compute stream; W has none. An OVERLAP_F_B unit
+takes the longer of its compute and its two halves' traffic (each half's under
+the other's compute, as for MoE all-to-alls). Nothing here applies at
+tp = cp = 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from octopipe.profile.v1 import profile_pb2
+from octopipe.simulate.collectives import all_gather_us, all_reduce_us
+from octopipe.simulate.links import Link
+
+__all__ = [
+    "ATTENTION",
+    "MAMBA",
+    "TP_SPLIT",
+    "ParallelTraffic",
+    "components",
+    "gradient_all_reduce_us",
+    "layer_traffic",
+    "split_layer",
+    "split_layers",
+    "traffic_us",
+]
+
+#: layer_type components whose heads / hidden units the runtime splits over tp
+TP_SPLIT = frozenset({"attention", "mamba", "mamba2", "swiglu", "relu2", "mlp", "moe"})
+#: components that gather keys and values over cp
+ATTENTION = frozenset({"attention"})
+#: components that cannot run with cp > 1 (a scan over the whole sequence in order)
+MAMBA = frozenset({"mamba", "mamba2"})
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ParallelTraffic:
+    """One rank's tensor- and context-parallel collectives for one micro-batch of a stage (module doc).
+
+    ``tp_*``: all-reduces over the tp group; ``cp_*``: all-gathers and
+    reduce-scatters over the cp group; ``*_bytes`` summed over ``*_count``
+    collectives; ``forward`` in each F, ``backward`` in each I or B.
+    """
+
+    tp: int = 1
+    cp: int = 1
+    tp_forward_bytes: int = 0
+    tp_forward_count: int = 0
+    tp_backward_bytes: int = 0
+    tp_backward_count: int = 0
+    cp_forward_bytes: int = 0
+    cp_forward_count: int = 0
+    cp_backward_bytes: int = 0
+    cp_backward_count: int = 0
+
+    def __add__(self, other: ParallelTraffic) -> ParallelTraffic:
+        if (self.tp, self.cp) != (other.tp, other.cp):
+            raise ValueError(f"cannot add traffic of tp={other.tp}, cp={other.cp} to tp={self.tp}, cp={self.cp}")
+        return ParallelTraffic(
+            tp=self.tp,
+            cp=self.cp,
+            tp_forward_bytes=self.tp_forward_bytes + other.tp_forward_bytes,
+            tp_forward_count=self.tp_forward_count + other.tp_forward_count,
+            tp_backward_bytes=self.tp_backward_bytes + other.tp_backward_bytes,
+            tp_backward_count=self.tp_backward_count + other.tp_backward_count,
+            cp_forward_bytes=self.cp_forward_bytes + other.cp_forward_bytes,
+            cp_forward_count=self.cp_forward_count + other.cp_forward_count,
+            cp_backward_bytes=self.cp_backward_bytes + other.cp_backward_bytes,
+            cp_backward_count=self.cp_backward_count + other.cp_backward_count,
+        )
+
+
+def components(cost: profile_pb2.LayerCost) -> tuple[str, ...]:
+    """The layer's kinds: ``layer_type`` split at ``+``, lower-cased (``attention+swiglu`` -> two)."""
+    return tuple(part.strip().lower() for part in cost.layer_type.split("+") if part.strip())
+
+
+def _is_split(cost: profile_pb2.LayerCost, kinds: tuple[str, ...]) -> bool:
+    return cost.HasField("tensor_parallel_all_reduce_bytes") or (bool(kinds) and all(k in TP_SPLIT for k in kinds))
+
+
+def _output_bytes(cost: profile_pb2.LayerCost) -> int:
+    return sum(t.size_bytes for t in cost.output_tensors)
+
+
+def _ceil(size: int, parts: int) -> int:
+    return -(-size // parts)
+
+
+def _check(tp: int, cp: int) -> None:
+    if tp < 1 or cp < 1:
+        raise ValueError(f"tp and cp must be >= 1, got tp={tp}, cp={cp}")
+
+
+def _kv_bytes(cost: profile_pb2.LayerCost, kinds: tuple[str, ...]) -> int:
+    if cost.HasField("context_parallel_gather_bytes"):
+        return cost.context_parallel_gather_bytes
+    return 2 * _output_bytes(cost) * sum(k in ATTENTION for k in kinds)
+
+
+def layer_traffic(cost: profile_pb2.LayerCost, tp: int, cp: int) -> ParallelTraffic:
+    """One rank's TP and CP collectives in one micro-batch of the layer (module doc)."""
+    _check(tp, cp)
+    kinds = components(cost)
+    out = ParallelTraffic(tp=tp, cp=cp)
+    again = 2 if cost.backward_recomputes_forward else 1  # the backward re-runs the forward's collectives
+    if tp > 1 and _is_split(cost, kinds):
+        splits = sum(k in TP_SPLIT for k in kinds)
+        if cost.HasField("tensor_parallel_all_reduce_bytes"):
+            volume = cost.tensor_parallel_all_reduce_bytes
+        else:
+            volume = splits * _output_bytes(cost)
+        count = cost.tensor_parallel_all_reduces or max(1, splits + sum(k in MAMBA for k in kinds))
+        share = _ceil(volume, cp)
+        out = ParallelTraffic(
+            tp=tp,
+            cp=cp,
+            tp_forward_bytes=share,
+            tp_forward_count=count,
+            tp_backward_bytes=share * again,
+            tp_backward_count=count * again,
+        )
+    gathers = sum(k in ATTENTION for k in kinds)
+    if cp > 1 and (gathers or cost.HasField("context_parallel_gather_bytes")):
+        gathered = _ceil(_kv_bytes(cost, kinds), tp if _is_split(cost, kinds) else 1)
+        count = max(1, gathers)
+        out = out + ParallelTraffic(
+            tp=tp,
+            cp=cp,
+            cp_forward_bytes=gathered,
+            cp_forward_count=count,
+            cp_backward_bytes=gathered * again,
+            cp_backward_count=count * again,
+        )
+    return out
+
+
+def split_layer(cost: profile_pb2.LayerCost, tp: int, cp: int) -> profile_pb2.LayerCost:
+    """The layer as one (tensor rank, context rank) runs it: a LayerCost of that rank's times and bytes
+    (module doc). Raises ValueError for cp > 1 on a Mamba layer (its scan needs the whole sequence)."""
+    _check(tp, cp)
+    kinds = components(cost)
+    if cp > 1 and any(k in MAMBA for k in kinds):
+        raise ValueError(
+            f"layer {cost.layer_name!r} ({cost.layer_type}) is a Mamba layer, whose scan needs the whole sequence: "
+            f"mesh cp={cp} cannot split it; use cp=1 for this model"
+        )
+    split = tp > 1 and _is_split(cost, kinds)
+    t = tp if split else 1
+    q = t * cp
+    out = profile_pb2.LayerCost()
+    out.CopyFrom(cost)
+    out.forward_duration_us = cost.forward_duration_us / q
+    out.backward_input_duration_us = cost.backward_input_duration_us / q
+    out.backward_weight_duration_us = cost.backward_weight_duration_us / q
+    if cost.HasField("full_backward_duration_us"):
+        out.full_backward_duration_us = cost.full_backward_duration_us / q
+    saved = cost.activation_saved_bytes
+    if split:
+        if cost.HasField("tensor_parallel_replicated_activation_bytes"):
+            whole = min(saved, cost.tensor_parallel_replicated_activation_bytes)
+        else:
+            whole = min(saved, 2 * max(1, sum(k in TP_SPLIT for k in kinds)) * _output_bytes(cost))
+        mine = _ceil(whole + _ceil(saved - whole, t), cp)
+    else:
+        mine = _ceil(saved, cp)
+    out.activation_saved_bytes = mine
+    freed_input = cost.activation_freed_by_backward_input_bytes * mine // saved if saved else 0
+    out.activation_freed_by_backward_input_bytes = freed_input
+    out.activation_freed_by_backward_weight_bytes = mine - freed_input
+    out.backward_input_kept_bytes = _ceil(cost.backward_input_kept_bytes, q)
+    gathered = 0
+    if cp > 1:
+        kv = _kv_bytes(cost, kinds)
+        gathered = (cp - 1) * _ceil(kv, t) // cp
+    out.forward_scratch_bytes = _ceil(cost.forward_scratch_bytes, q) + gathered
+    out.backward_input_scratch_bytes = _ceil(cost.backward_input_scratch_bytes, q) + gathered
+    out.backward_weight_scratch_bytes = _ceil(cost.backward_weight_scratch_bytes, t)
+    out.full_backward_scratch_bytes = _ceil(cost.full_backward_scratch_bytes, t) + (
+        gathered if cost.full_backward_scratch_bytes else 0
+    )
+    if split:
+        out.parameter_bytes = _ceil(cost.parameter_bytes, t)
+        out.gradient_bytes = _ceil(cost.gradient_bytes, t)
+        out.optimizer_state_bytes = _ceil(cost.optimizer_state_bytes, t)
+        out.expert_parameter_bytes = min(out.parameter_bytes, _ceil(cost.expert_parameter_bytes, t))
+    out.all_to_all_bytes = _ceil(cost.all_to_all_bytes, cp)
+    for tensor in out.output_tensors:
+        tensor.size_bytes = _ceil(tensor.size_bytes, cp)
+        if len(tensor.shape) >= 2 and tensor.shape[-2] % cp == 0:
+            tensor.shape[-2] //= cp  # [..., s, h]: the rank's tokens
+    return out
+
+
+def split_layers(
+    costs: Sequence[profile_pb2.LayerCost], tp: int, cp: int
+) -> tuple[tuple[profile_pb2.LayerCost, ...], ParallelTraffic]:
+    """Every layer's per-rank share (``split_layer``) and the layers' summed traffic (``layer_traffic``)."""
+    traffic = ParallelTraffic(tp=tp, cp=cp)
+    for cost in costs:
+        traffic = traffic + layer_traffic(cost, tp, cp)
+    return tuple(split_layer(cost, tp, cp) for cost in costs), traffic
+
+
+def _many(formula: Callable[[Link, int, int], float], link: Link, group: int, size: int, count: int) -> float:
+    """``count`` collectives of ``size`` bytes in all: the bandwidth term once, the latency ``count`` times."""
+    if count == 0 or group == 1:
+        return 0.0
+    return formula(link, group, size) + (count - 1) * formula(link, group, 0)
+
+
+def traffic_us(traffic: ParallelTraffic, tp_link: Link | None, cp_link: Link | None) -> tuple[float, float]:
+    """(forward, input-gradient backward) microseconds of ``traffic`` on the tp and cp groups' links."""
+    forward = backward = 0.0
+    if traffic.tp > 1 and tp_link is not None:
+        forward += _many(all_reduce_us, tp_link, traffic.tp, traffic.tp_forward_bytes, traffic.tp_forward_count)
+        backward += _many(all_reduce_us, tp_link, traffic.tp, traffic.tp_backward_bytes, traffic.tp_backward_count)
+    if traffic.cp > 1 and cp_link is not None:
+        forward += _many(all_gather_us, cp_link, traffic.cp, traffic.cp_forward_bytes, traffic.cp_forward_count)
+        backward += _many(all_gather_us, cp_link, traffic.cp, traffic.cp_backward_bytes, traffic.cp_backward_count)
+    return forward, backward
+
+
+def gradient_all_reduce_us(link: Link, cp: int, gradient_bytes: int) -> float:
+    """The per-step all-reduce of a rank's ``gradient_bytes`` over its cp group: 2 ((n-1)/n B / bw + (n-1) lat)."""
+    return all_reduce_us(link, cp, gradient_bytes)
