@@ -31,12 +31,21 @@ layers (``LayerCost.num_experts``), every ep that divides both dp and each MoE
 layer's expert count is tried for each (pp, dp, m): a larger ep holds fewer
 experts per device (less memory) and sends its all-to-alls over a larger
 group. Without MoE layers ep is 1; a given ``ep`` is used as it is.
+
+Tensor and context parallelism (``tensor_parallel=True``, the default, and
+``model_facts`` or ``tp_degrees`` / ``cp_degrees`` given): each (tp, cp) pair of
+``octopipe.tune.mesh_parallel.parallel_degrees`` splits every stage replica
+over tp x cp devices, so pp x dp = D / (tp x cp); the simulator times each
+rank's share and its TP/CP collectives (``octopipe.simulate.tensor_parallel``).
+(tp, cp) = (1, 1) is searched first exactly as without it; other meshes in the
+order of a lower bound on their step, skipped once it cannot beat the best
+plan within the cap. ``tensor_parallel=False`` searches pp x dp only.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from octopipe.ir import validate_plan
@@ -44,6 +53,7 @@ from octopipe.ir.fsdp import PLACEMENTS, CollectivePlacement, place_collectives
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import CostModel, Estimate, GroupLinks, Link, OverlapModel, SimulationConfig, simulate
+from octopipe.tune.mesh_parallel import parallel_degrees, scale_microbatches, step_lower_bound_us
 from octopipe.tune.problem import FAMILIES, Candidate, Evaluator, Layers, Score, balanced_bounds, equal_bounds
 from octopipe.tune.registry import DEFAULT_SCHEDULES, Placement, ScheduleRegistry
 from octopipe.tune.search import Search
@@ -71,6 +81,16 @@ class MeshTuneConfig:
     ``refine_s``: seconds of partition refinement for the winner (0: none).
     ``registry``: the schedules to search; ``families``: its placement
     families to search (default: the default registry's).
+    ``tensor_parallel``: also search tp and cp (module doc; False: pp x dp only).
+    ``model_facts``: the model's sizes that tp and cp must divide, as
+    ``octopipe.ir.check_mesh_model`` reads them (``heads``, ``mamba_heads``,
+    ``ffn``, ``sequence``, ``mamba_layers``); without them (and without
+    ``tp_degrees`` / ``cp_degrees``) tp = cp = 1. ``tp_degrees`` /
+    ``cp_degrees``: the degrees to try (None: tp over the divisors of the
+    device count up to ``node_size``, cp over the divisors of the sequence up
+    to ``max_cp``). ``tp_cp_with_dp=False``: tp or cp > 1 only with dp = 1
+    (what the runtime runs today; the simulator also models FSDP over dp with
+    them).
     """
 
     devices: int
@@ -86,6 +106,13 @@ class MeshTuneConfig:
     overlap_hidden_fraction: float = 0.0
     refine_s: float = 0.0
     registry: ScheduleRegistry = DEFAULT_SCHEDULES
+    tensor_parallel: bool = True
+    model_facts: Mapping[str, int] | None = None
+    tp_degrees: tuple[int, ...] | None = None
+    cp_degrees: tuple[int, ...] | None = None
+    node_size: int = 8
+    max_cp: int = 32
+    tp_cp_with_dp: bool = True
 
     def __post_init__(self) -> None:
         if self.devices < 1 or self.global_batch < 1:
@@ -106,16 +133,23 @@ class MeshTuneConfig:
         for pp in self.pipeline_degrees or ():
             if pp < 1 or self.devices % pp:
                 raise ValueError(f"pipeline degree {pp} does not divide {self.devices} devices")
+        if self.node_size < 1 or self.max_cp < 1:
+            raise ValueError(f"node_size and max_cp must be >= 1, got {self.node_size} and {self.max_cp}")
+        for degree in (*(self.tp_degrees or ()), *(self.cp_degrees or ())):
+            if degree < 1 or self.devices % degree:
+                raise ValueError(f"tp / cp degree {degree} does not divide {self.devices} devices")
 
 
 @dataclass(kw_only=True, frozen=True)
 class MeshCandidate:
-    """One (pp, dp, ep, m): its best plan's step, or why it has none."""
+    """One (pp, dp, tp, cp, ep, m): its best plan's step, or why it has none."""
 
     pp: int
     dp: int
     num_microbatches: int
     ep: int = 1
+    tp: int = 1
+    cp: int = 1
     microbatch_size: int
     step_time_us: float
     fits: bool
@@ -138,6 +172,8 @@ class MeshTuneResult:
     microbatch_size: int
     description: str
     ep: int = 1
+    tp: int = 1
+    cp: int = 1
     candidates: tuple[MeshCandidate, ...] = field(default_factory=tuple)
     simulations: int = 0
     seconds: float = 0.0
@@ -152,7 +188,15 @@ class _MeshEvaluator(Evaluator):
     """An Evaluator whose cost models time the mesh's collectives."""
 
     def __init__(
-        self, profile: profile_pb2.Profile, config: MeshTuneConfig, links: GroupLinks, pp: int, m: int, ep: int
+        self,
+        profile: profile_pb2.Profile,
+        config: MeshTuneConfig,
+        links: GroupLinks,
+        pp: int,
+        m: int,
+        ep: int,
+        tp: int = 1,
+        cp: int = 1,
     ) -> None:
         super().__init__(
             profile,
@@ -164,7 +208,10 @@ class _MeshEvaluator(Evaluator):
             registry=config.registry,
         )
         self.collectives = links
-        self.dp, self.ep = config.devices // pp, ep
+        self.tp, self.cp = tp, cp
+        self.dp, self.ep = config.devices // (pp * tp * cp), ep
+        if tp * cp > 1:
+            self.layers = replace(self.layers, tp=tp, cp=cp)
 
     def cost_model(self, bounds: Sequence[int]) -> CostModel:
         return replace(super().cost_model(bounds), collectives=self.collectives)
@@ -176,6 +223,8 @@ class _MeshEvaluator(Evaluator):
         placed = place_collectives(compute, candidate.placement, policy)
         plan = self.assemble(candidate, placed, name="candidate", validate=False)
         plan.mesh.dp, plan.mesh.ep = self.dp, self.ep
+        if self.tp * self.cp > 1:
+            plan.mesh.tp, plan.mesh.cp = self.tp, self.cp
         plan.labels["collectives"] = policy.name
         return plan
 
@@ -183,7 +232,8 @@ class _MeshEvaluator(Evaluator):
 def tune_mesh(
     profile: profile_pb2.Profile, config: MeshTuneConfig, *, progress: Progress | None = None
 ) -> MeshTuneResult:
-    """Choose pp x dp x m, schedule and collective placement for ``config.devices`` devices (module doc).
+    """Choose pp x dp (x tp x cp) x m, schedule and collective placement for ``config.devices`` devices
+    (module doc).
 
     Raises ValueError naming what to change when no (pp, dp, m) has a plan within the cap.
     """
@@ -196,41 +246,86 @@ def tune_mesh(
         )
     layers = Layers.from_profile(profile)
     b = max(1, profile.microbatch_size)
-    degrees = config.pipeline_degrees or tuple(pp for pp in range(1, config.devices + 1) if config.devices % pp == 0)
+    choice = parallel_degrees(
+        profile,
+        config.devices,
+        facts=config.model_facts if config.tensor_parallel else None,
+        tp_degrees=config.tp_degrees if config.tensor_parallel else None,
+        cp_degrees=config.cp_degrees if config.tensor_parallel else None,
+        node_size=config.node_size,
+        max_cp=config.max_cp,
+    )
     candidates: list[MeshCandidate] = []
+    points: list[tuple[float, int, int, int, int, list[int]]] = []  # (bound, tp, cp, pp, k, eps)
+    scaled_by: dict[int, profile_pb2.Profile] = {}
+    for tp, cp in choice.pairs:
+        inner = config.devices // (tp * cp)
+        degrees = config.pipeline_degrees or tuple(pp for pp in range(1, inner + 1) if inner % pp == 0)
+        for pp in degrees:
+            if inner % pp:
+                continue
+            dp = inner // pp
+            eps = expert_degrees(profile, dp, config.ep)
+            why = ""
+            if pp > len(layers):
+                why = f"{pp} pipeline ranks need at least {pp} layers; the profile has {len(layers)}"
+            elif not eps:
+                why = f"ep={config.ep} does not divide dp={dp}"
+            elif tp * cp > 1 and dp > 1 and not config.tp_cp_with_dp:
+                why = f"tp={tp}, cp={cp} with dp={dp}: tp_cp_with_dp=False allows tp or cp > 1 only with dp = 1"
+            elif config.global_batch % (dp * b):
+                why = f"global batch {config.global_batch} is not a multiple of dp x micro-batch size = {dp * b}"
+            if why:
+                candidates.append(
+                    MeshCandidate(
+                        pp=pp,
+                        dp=dp,
+                        tp=tp,
+                        cp=cp,
+                        num_microbatches=0,
+                        microbatch_size=0,
+                        step_time_us=0,
+                        fits=False,
+                        reason=why,
+                    )
+                )
+                continue
+            per_replica = config.global_batch // (dp * b)
+            k = next(
+                k
+                for k in range(1, per_replica + 1)
+                if per_replica % k == 0 and per_replica // k <= config.max_microbatches
+            )
+            if k not in scaled_by:
+                scaled_by[k] = scale_microbatches(profile, k)
+            bound = 0.0
+            if tp * cp > 1:
+                shares = replace(Layers.from_profile(scaled_by[k]), tp=tp, cp=cp)
+                bound = step_lower_bound_us(shares, pp, per_replica // k, config.overlap_hidden_fraction)
+            points.append((bound, tp, cp, pp, k, eps))
+    # (1, 1) first, in pipeline order (the pp x dp search of before); then the others from the lowest bound up
+    points.sort(key=lambda point: (point[1] * point[2] > 1, point[0]))
     best: tuple[Score, _MeshEvaluator, Candidate, plan_pb2.Plan, str] | None = None
     simulations = 0
-    for pp in degrees:
-        dp = config.devices // pp
-        if pp > len(layers):
-            why = f"{pp} pipeline ranks need at least {pp} layers; the profile has {len(layers)}"
+    for bound, tp, cp, pp, k, eps in points:
+        dp, m = config.devices // (pp * tp * cp), config.global_batch // (config.devices // (pp * tp * cp) * b * k)
+        if tp * cp > 1 and best is not None and best[0].fits and bound >= best[0].step_time_us:
             candidates.append(
                 MeshCandidate(
-                    pp=pp, dp=dp, num_microbatches=0, microbatch_size=0, step_time_us=0, fits=False, reason=why
+                    pp=pp,
+                    dp=dp,
+                    tp=tp,
+                    cp=cp,
+                    num_microbatches=m,
+                    microbatch_size=k * b,
+                    step_time_us=0,
+                    fits=False,
+                    reason=f"skipped: no plan can beat {best[0].step_time_us:.0f} us (bound {bound:.0f} us)",
                 )
             )
             continue
-        eps = expert_degrees(profile, dp, config.ep)
-        if config.global_batch % (dp * b) or not eps:
-            why = (
-                f"ep={config.ep} does not divide dp={dp}"
-                if not eps
-                else f"global batch {config.global_batch} is not a multiple of dp x micro-batch size = {dp * b}"
-            )
-            candidates.append(
-                MeshCandidate(
-                    pp=pp, dp=dp, num_microbatches=0, microbatch_size=0, step_time_us=0, fits=False, reason=why
-                )
-            )
-            continue
-        per_replica = config.global_batch // (dp * b)
-        k = next(
-            k for k in range(1, per_replica + 1) if per_replica % k == 0 and per_replica // k <= config.max_microbatches
-        )
-        m = per_replica // k
-        scaled = scale_microbatches(profile, k)
         for ep in eps:
-            ev = _MeshEvaluator(scaled, config, links, pp, m, ep)
+            ev = _MeshEvaluator(scaled_by[k], config, links, pp, m, ep, tp, cp)
             found = _search_degree(ev, config, len(layers))
             simulations += ev.evaluations
             if found is None:
@@ -242,6 +337,8 @@ def tune_mesh(
                     pp=pp,
                     dp=dp,
                     ep=ep,
+                    tp=tp,
+                    cp=cp,
                     num_microbatches=m,
                     microbatch_size=k * b,
                     step_time_us=score.step_time_us,
@@ -254,7 +351,8 @@ def tune_mesh(
             )
             if progress is not None:
                 progress(
-                    f"pp={pp} dp={dp} ep={ep} m={m}: {label}, step {score.step_time_us / 1e3:.1f} ms, fits={score.fits}"
+                    f"pp={pp} dp={dp} tp={tp} cp={cp} ep={ep} m={m}: {label}, step {score.step_time_us / 1e3:.1f} ms, "
+                    f"fits={score.fits}"
                 )
             if best is None or score < best[0]:
                 best = (score, ev, candidate, plan, label)
@@ -287,6 +385,8 @@ def tune_mesh(
         pp=ev.num_ranks,
         dp=ev.dp,
         ep=ev.ep,
+        tp=ev.tp,
+        cp=ev.cp,
         num_microbatches=ev.m,
         microbatch_size=ev.microbatch_size,
         description=f"{label}, layers per stage {sizes}",
@@ -312,9 +412,9 @@ def _search_degree(
     collective placement on a partition balanced by each layer's m x (F + I + W) plus its all-gather and
     reduce-scatter time; the family's best order also on equal layer counts; and the baseline (1F1B,
     equal counts, collectives prefetched), so the result is never slower than the baseline when both fit."""
-    link = ev.collectives.data_parallel_link(0, ev.dp)
+    link = ev.collectives.data_parallel_link(0, ev.dp * ev.tp * ev.cp)  # a dp group spans dp x cp x tp ranks
     share = (ev.dp - 1) / ev.dp / link.bandwidth_bytes_per_second * 1e6
-    costs = ev.layers.costs
+    costs = ev.layers.shares
     weights = [
         ev.m * ev.layers.time_us(i) + share * (costs[i].parameter_bytes + costs[i].gradient_bytes)
         for i in range(num_layers)
@@ -363,34 +463,6 @@ def _label(candidate: Candidate, policy: CollectivePlacement) -> str:
     return f"{candidate.schedule} on {candidate.family.label} placement, collectives {policy.name}"
 
 
-def scale_microbatches(profile: profile_pb2.Profile, factor: int) -> profile_pb2.Profile:
-    """``profile`` for micro-batches ``factor`` times larger: per-micro-batch times and bytes x factor."""
-    if factor == 1:
-        return profile
-    scaled = profile_pb2.Profile()
-    scaled.CopyFrom(profile)
-    scaled.microbatch_size = max(1, profile.microbatch_size) * factor
-    for layer in scaled.layers:
-        layer.forward_duration_us *= factor
-        layer.backward_input_duration_us *= factor
-        layer.backward_weight_duration_us *= factor
-        if layer.HasField("full_backward_duration_us"):
-            layer.full_backward_duration_us *= factor
-        layer.activation_saved_bytes *= factor
-        layer.activation_freed_by_backward_input_bytes *= factor
-        layer.activation_freed_by_backward_weight_bytes *= factor
-        layer.backward_input_kept_bytes *= factor
-        layer.forward_scratch_bytes *= factor  # activation-sized intermediates (gradient parts do not scale)
-        layer.backward_input_scratch_bytes *= factor
-        layer.all_to_all_bytes *= factor
-        for tensor in layer.output_tensors:
-            tensor.size_bytes *= factor
-            if tensor.shape:
-                tensor.shape[0] *= factor
-    del scaled.fused[:]  # measured at the old size
-    return scaled
-
-
 def _refine(
     ev: _MeshEvaluator, candidate: Candidate, plan: plan_pb2.Plan, score: Score, seconds: float, simulations: int
 ) -> tuple[tuple[int, ...], Score, int]:
@@ -405,7 +477,7 @@ def _refine(
 def _finish(ev: _MeshEvaluator, skeleton: plan_pb2.Plan, bounds: Sequence[int], schedule: str) -> plan_pb2.Plan:
     plan = plan_pb2.Plan()
     plan.CopyFrom(skeleton)
-    plan.name = f"tuned-{schedule}-pp{ev.num_ranks}-dp{ev.dp}-m{ev.m}"
+    plan.name = f"tuned-{schedule}-pp{ev.num_ranks}-dp{ev.dp}{_parallel_name(ev)}-m{ev.m}"
     for s, stage in enumerate(plan.stages):
         del stage.layer_names[:]
         stage.layer_names.extend(ev.layers.names[bounds[s] : bounds[s + 1]])
@@ -414,11 +486,15 @@ def _finish(ev: _MeshEvaluator, skeleton: plan_pb2.Plan, bounds: Sequence[int], 
     return plan
 
 
+def _parallel_name(ev: _MeshEvaluator) -> str:
+    return f"-tp{ev.tp}-cp{ev.cp}" if ev.tp * ev.cp > 1 else ""
+
+
 def _baseline(ev: _MeshEvaluator, num_layers: int) -> Estimate:
     """1F1B, equal layer counts, collectives prefetched, on the same mesh; memory reported, not enforced."""
     candidate = Candidate(bounds=equal_bounds(num_layers, ev.num_ranks), family=Placement.linear(), schedule="1f1b")
     plan = ev.mesh_plan(candidate, CollectivePlacement(prefetch=True, reshard=False))
     assert plan is not None
-    plan.name = f"1f1b-equal-pp{ev.num_ranks}-dp{ev.dp}-m{ev.m}"
+    plan.name = f"1f1b-equal-pp{ev.num_ranks}-dp{ev.dp}{_parallel_name(ev)}-m{ev.m}"
     config = SimulationConfig(enforce_memory_caps=False, critical_path=False)
     return simulate(plan, ev.cost_model(candidate.bounds), config=config).estimate

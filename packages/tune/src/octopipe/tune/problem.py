@@ -14,6 +14,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from octopipe.ir import Action, add_p2p_actions, rank_actions, validate_plan
 from octopipe.plan.v1 import plan_pb2
@@ -26,6 +27,7 @@ from octopipe.simulate import (
     SimulationConfig,
     StageCost,
     simulate,
+    split_layer,
     stage_cost_from_layers,
     tied_exchanges,
 )
@@ -94,10 +96,20 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Layers:
-    """Per-layer costs from a Profile, in model order."""
+    """Per-layer costs from a Profile, in model order; with ``tp`` / ``cp`` > 1, as one (tensor rank,
+    context rank) of a mesh runs them (``octopipe.simulate.tensor_parallel``)."""
 
     names: tuple[str, ...]
     costs: tuple[profile_pb2.LayerCost, ...]
+    tp: int = 1
+    cp: int = 1
+
+    @cached_property
+    def shares(self) -> tuple[profile_pb2.LayerCost, ...]:
+        """Each layer's per-rank share (the layers themselves at tp = cp = 1)."""
+        if self.tp * self.cp == 1:
+            return self.costs
+        return tuple(split_layer(cost, self.tp, self.cp) for cost in self.costs)
 
     @classmethod
     def from_profile(cls, profile: profile_pb2.Profile) -> Layers:
@@ -112,13 +124,13 @@ class Layers:
         return len(self.names)
 
     def time_us(self, index: int) -> float:
-        """F + I + W of one layer for one micro-batch."""
-        c = self.costs[index]
+        """F + I + W of one layer for one micro-batch (one rank's share)."""
+        c = self.shares[index]
         return c.forward_duration_us + c.backward_input_duration_us + c.backward_weight_duration_us
 
     def stage_cost(self, start: int, end: int) -> StageCost:
         """Layers ``start:end`` as one stage: simulate's own sum, so the tuner and the verifier agree."""
-        return stage_cost_from_layers(self.costs[start:end])
+        return stage_cost_from_layers(self.costs[start:end], tp=self.tp, cp=self.cp)
 
 
 @dataclass(frozen=True, order=True)
