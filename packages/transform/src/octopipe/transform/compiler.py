@@ -27,6 +27,7 @@ from octopipe.capture import CaptureConfig, StageGraphs, capture_stage
 from octopipe.transform.bw_split import BWSplit, split_backward
 from octopipe.transform.costs import roofline_costs
 from octopipe.transform.executable import StageExecutable
+from octopipe.transform.fsdp import shard_specs
 from octopipe.transform.fsdp_bucket import BucketPolicy, bucket_collectives
 from octopipe.transform.fsdp_split import FSDPGraphs, FSDPStage, split_fsdp
 from octopipe.transform.inductor import Backend, CompileError, compile_graph, compile_stage_graphs
@@ -118,7 +119,9 @@ class StageCompiler:
         if cache_key is not None and cache_key in self._stages:
             return self._stages[cache_key]
         graphs = capture_stage(stage, list(inputs), config=self.config, stage_index=stage_index)
-        fsdp = bucket_collectives(split_fsdp(graphs), self.buckets) if sharded else None
+        # parameter collectives are those over the groups the shards name; tp / cp activations' stay in F and B
+        groups = {spec.group_name for spec in shard_specs(stage).values()} if sharded else None
+        fsdp = bucket_collectives(split_fsdp(graphs, groups=groups or None), self.buckets) if sharded else None
         runs = fsdp.stage if fsdp is not None else graphs
         split = split_backward(runs.backward, num_params=runs.num_params, num_inputs=runs.num_inputs)
         if self.backend == "inductor":

@@ -33,7 +33,8 @@ all-gathers again (reshard-after-forward by recomputation); coalesced
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import operator
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -45,6 +46,7 @@ from octopipe.transform.collectives import (
     COLLECTIVE_KINDS,
     is_all_gather,
     is_cast,
+    is_collective,
     is_layout,
     is_reduce_scatter,
     is_scale,
@@ -61,7 +63,8 @@ NOT_HANDLED = (
     "a shard (or its cast) used by compute directly, not only through the all-gather",
     "a gradient reduce-scattered more than once, or added to other values after its reduce-scatter",
     "a backward that all-gathers again (reshard-after-forward by recomputation)",
-    "coalesced/bucketed collectives (one all-gather or reduce-scatter for many parameters) and all-reduce",
+    "coalesced/bucketed collectives (one all-gather or reduce-scatter for many parameters) and all-reduce "
+    "over the parameters' group (collectives over other groups, e.g. tensor parallelism's, stay in F and B)",
     "gathers along a dimension other than 0 that need a transpose or permute to restore the layout",
 )
 
@@ -89,6 +92,28 @@ class FSDPGraphs:
     chains: tuple[ParamChain, ...]
 
 
+def group_of(node: fx.Node) -> str | None:
+    """The process group name a functional collective (or the wait on one) runs over; None for other nodes."""
+    if is_wait(node):
+        source = node.args[0] if node.args else None
+        return group_of(source) if isinstance(source, fx.Node) else None
+    if not is_collective(node):
+        return None
+    name = node.kwargs.get("group_name", node.args[-1] if node.args else None)
+    return name if isinstance(name, str) else None
+
+
+def _parameter_collective(groups: Collection[str] | None) -> Callable[[fx.Node], bool]:
+    """Whether a node is a parameter collective (or its wait): over one of ``groups``, or any with None."""
+
+    def ours(node: fx.Node) -> bool:
+        if not (is_collective(node) or is_wait(node)):
+            return False
+        return groups is None or group_of(node) in groups
+
+    return ours
+
+
 def _ancestors_within(node: fx.Node, region: set[fx.Node]) -> set[fx.Node]:
     seen = {node}
     stack = [node]
@@ -112,14 +137,14 @@ def _names(nodes: Iterable[fx.Node], order: dict[fx.Node, int]) -> tuple[str, ..
 
 
 def _unshard_region(
-    name: str, shard: fx.Node, nodes: list[fx.Node], live: set[fx.Node]
+    name: str, shard: fx.Node, nodes: list[fx.Node], live: set[fx.Node], ours: Callable[[fx.Node], bool]
 ) -> tuple[set[fx.Node], fx.Node]:
     """The nodes UNSHARD takes for ``shard`` and the full parameter they produce (``shard`` itself if not gathered)."""
     region = {shard}
     for node in nodes:
         if node in live and node.op == "call_function" and node not in region:
             inputs = node.all_input_nodes
-            movable = is_layout(node) or is_cast(node) or is_all_gather(node) or is_wait(node)
+            movable = is_layout(node) or is_cast(node) or ((is_all_gather(node) or is_wait(node)) and ours(node))
             if movable and inputs and all(i in region for i in inputs):
                 region.add(node)
     gathers = [n for n in region if is_all_gather(n)]
@@ -143,21 +168,28 @@ def _unshard_region(
     return taken, end
 
 
-def _reduce_tail(name: str, grad: fx.Node, nodes: list[fx.Node], output: fx.Node) -> tuple[set[fx.Node], fx.Node]:
+def _reduce_tail(
+    name: str, grad: fx.Node, nodes: list[fx.Node], output: fx.Node, ours: Callable[[fx.Node], bool]
+) -> tuple[set[fx.Node], fx.Node]:
     """The nodes REDUCE_GRAD takes for one gradient output, and the full gradient entering them."""
     tail: set[fx.Node] = set()
     for node in reversed(nodes):
-        movable = is_layout(node) or is_cast(node) or is_scale(node) or is_reduce_scatter(node) or is_wait(node)
+        collective = (is_reduce_scatter(node) or is_wait(node)) and ours(node)
+        movable = is_layout(node) or is_cast(node) or is_scale(node) or collective
         if not movable:
             continue
         if (node is grad and all(u is output for u in node.users)) or (
             node is not grad and node.users and all(u in tail for u in node.users)
         ):
             tail.add(node)
+    # an item of a multi-output op that stays (a convolution's weight gradient from convolution_backward) is
+    # where the tail starts: the getitem stays with its op, so the tail is fed by a tensor, not a tuple
+    for node in [n for n in tail if n.target is operator.getitem and n.all_input_nodes[0] not in tail]:
+        tail.discard(node)
     scatters = [n for n in tail if is_reduce_scatter(n)]
     if not scatters:
         upstream = _ancestors_within(grad, set(nodes))
-        if any(is_reduce_scatter(n) for n in upstream):
+        if any(is_reduce_scatter(n) and ours(n) for n in upstream):
             raise ValueError(
                 f"the gradient of parameter {name!r} is reduce-scattered, then combined with other values "
                 f"(at {grad.name!r}): REDUCE_GRAD must be the gradient's last step; reduce once, after accumulating"
@@ -190,14 +222,19 @@ def _placeholder(graph: fx.Graph, name: str, like: fx.Node) -> fx.Node:
     return node
 
 
-def split_fsdp(graphs: StageGraphs) -> FSDPGraphs:
-    """Move every parameter's all-gather chain into UNSHARD and its reduce-scatter tail into REDUCE_GRAD (pure)."""
+def split_fsdp(graphs: StageGraphs, *, groups: Collection[str] | None = None) -> FSDPGraphs:
+    """Move every parameter's all-gather chain into UNSHARD and its reduce-scatter tail into REDUCE_GRAD (pure).
+
+    ``groups``: the names of the process groups parameters are sharded over; collectives over other groups
+    (tensor- or context-parallel activations) stay where they are in the forward and backward. None: every
+    collective is taken for a parameter collective."""
     fw, bw = graphs.forward, graphs.backward
+    ours = _parameter_collective(groups)
     for node in [*fw.graph.nodes, *bw.graph.nodes]:
         kind = COLLECTIVE_KINDS.get(str(getattr(packet(node), "__name__", "")))
-        if kind is not None and kind.endswith(("coalesced", "all_reduce")):
+        if kind is not None and kind.endswith(("coalesced", "all_reduce")) and ours(node):
             raise ValueError(f"node {node.name!r} is a {kind}: coalesced collectives and all-reduce are not handled")
-    if any(is_all_gather(n) for n in bw.graph.nodes):
+    if any(is_all_gather(n) and ours(n) for n in bw.graph.nodes):
         raise ValueError(
             "the backward graph all-gathers parameters again (reshard-after-forward by recomputation): not handled; "
             "capture with the default partitioner so the forward's gathered parameters are saved"
@@ -207,7 +244,9 @@ def split_fsdp(graphs: StageGraphs) -> FSDPGraphs:
     fw_index = {n: i for i, n in enumerate(fw_nodes)}
     placeholders = [n for n in fw_nodes if n.op == "placeholder"]
     live = live_nodes(fw.graph)
-    regions = [_unshard_region(names[i], p, fw_nodes, live) for i, p in enumerate(placeholders[: graphs.num_params])]
+    regions = [
+        _unshard_region(names[i], p, fw_nodes, live, ours) for i, p in enumerate(placeholders[: graphs.num_params])
+    ]
     moved = set().union(*(r for r, _ in regions)) if regions else set()
 
     unshard = fx.Graph()
@@ -230,7 +269,7 @@ def split_fsdp(graphs: StageGraphs) -> FSDPGraphs:
     bw_output = next(n for n in reversed(bw_nodes) if n.op == "output")
     grads = list(bw_output.args[0])
     tails = [
-        _reduce_tail(names[i], g, bw_nodes, bw_output) if isinstance(g, fx.Node) else (set(), None)
+        _reduce_tail(names[i], g, bw_nodes, bw_output, ours) if isinstance(g, fx.Node) else (set(), None)
         for i, g in enumerate(grads[: graphs.num_params])
     ]
     removed = set().union(*(t for t, _ in tails)) if tails else set()

@@ -35,14 +35,16 @@ replica d)). This module is what the worker adds for that:
 MoE layers are recognised as the zoo's :class:`octopipe.examples.models.MoE`;
 other models run with ``ep = 1`` (everything FSDP-sharded).
 
-Tensor and context parallelism (``mesh.tp``, ``mesh.cp``, with dp = 1): the
+Tensor and context parallelism (``mesh.tp``, ``mesh.cp``; ep = 1): the
 tp ranks of a stage replica split its layers' heads and hidden units
 (:mod:`octopipe.execute.runtime.tensor_parallel`, Megatron's column- then
 row-parallel split; the all-reduces trace into the captured graphs) and see
 the same tokens; the cp ranks hold consecutive slices of every sequence
 (:mod:`octopipe.execute.runtime.context_parallel`; attention all-gathers keys
 and values) and average every gradient over their group after the backward
-(:meth:`MeshRank.average_context`). Pipeline messages go between processes
+(:meth:`MeshRank.average_context`). With dp > 1 too, each process's tp
+slices are then FSDP-sharded over its dp group (the processes with the same
+pipeline, context and tensor rank). Pipeline messages go between processes
 with the same (replica, context rank, tensor rank). Only the zoo's layers
 (attention, SwiGLU, squared-ReLU MLP, Mamba, MoE) can be split; other models
 are refused.
@@ -213,23 +215,35 @@ class MeshRank:
 
     def _split_groups(self) -> MeshRank:
         spec = self.spec
-        if spec.dp > 1:
+        if spec.ep > 1:
             raise ValueError(
-                f"the runtime runs tp or cp > 1 with dp = 1 only (the mesh is {spec.shape}): "
-                "use dp=1, or tp=cp=1 with FSDP over dp"
+                f"expert parallelism (ep={spec.ep}) with tp or cp > 1 is not supported (the mesh is {spec.shape}): "
+                "use ep=1 (tensor parallelism splits every expert's hidden units instead)"
             )
         where = spec.position(self.global_rank)
+        mine = self.global_rank
+
+        def new_group(members: tuple[int, ...]) -> dist.ProcessGroup | None:
+            return dist.new_group(list(members)) if len(members) > 1 else None
+
         for p in range(spec.pp):  # every process creates every group, in the same order
             for c in range(spec.cp):
-                members = spec.tp_group(p, 0, c)
-                group = dist.new_group(list(members)) if spec.tp > 1 else None
-                if self.global_rank in members:
-                    self.tp_group = group
-            for t in range(spec.tp):
-                members = spec.cp_group(p, 0, t)
-                group = dist.new_group(list(members)) if spec.cp > 1 else None
-                if self.global_rank in members:
-                    self.cp_group = group
+                for t in range(spec.tp):
+                    members = spec.dp_group(p, c, t)
+                    group = new_group(members)
+                    if mine in members:
+                        self.dp_group = group
+            for d in range(spec.dp):
+                for c in range(spec.cp):
+                    members = spec.tp_group(p, d, c)
+                    group = new_group(members)
+                    if mine in members:
+                        self.tp_group = group
+                for t in range(spec.tp):
+                    members = spec.cp_group(p, d, t)
+                    group = new_group(members)
+                    if mine in members:
+                        self.cp_group = group
         structlog.get_logger("octopipe.mesh").info(
             "mesh_groups_created",
             rank=self.global_rank,
@@ -325,6 +339,7 @@ class MeshRank:
         ``compiler`` (capture, UNSHARD / REDUCE_GRAD split, B/W split); a collective over the dp (and ep)
         group, so every replica calls it in turn."""
         assert self.dp_group is not None, "compile is for dp > 1"
+        self.split(stages, sorted(inputs))  # tp / cp slices first (a no-op without them); FSDP shards the slices
         for s in sorted(inputs):
             stage = stages[s]
             experts = self._split_experts(stage)
@@ -352,26 +367,21 @@ class MeshRank:
         ]
 
     def full(self, named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole tensors for this rank's shards, by parameter name (collective over the dp and ep groups).
+        """Whole tensors for this rank's shards and slices, by parameter name (collective over the dp, ep and tp
+        groups).
 
         Every replica of a pipeline rank must call it with the same names in the same order.
         """
-        if self.tp_specs:
-            return {
-                name: gather_tp(tensor, self.tp_specs[name]) if name in self.tp_specs else tensor.detach().clone()
-                for name, tensor in named.items()
-            }
-        if not self.sharded:
-            return {name: tensor.detach().clone() for name, tensor in named.items()}
         specs = {n: spec for stage in self.stages.values() for n, spec in stage.specs.items()}
         experts = {stage.graphs.param_names[i] for stage in self.stages.values() for i in stage.expert_indices}
         out: dict[str, torch.Tensor] = {}
         for name, tensor in named.items():
             if name in specs:
-                out[name] = unshard_tensor(tensor, specs[name])
+                value = unshard_tensor(tensor, specs[name])
             elif name in experts:
                 assert self.ep_group is not None
-                out[name] = _gather_dim0(tensor, self.ep_group)
+                value = _gather_dim0(tensor, self.ep_group)
             else:
-                out[name] = tensor.detach().clone()
+                value = tensor.detach().clone()
+            out[name] = gather_tp(value, self.tp_specs[name]) if name in self.tp_specs else value
         return out

@@ -179,8 +179,11 @@ def split_problem(plan: plan_pb2.Plan) -> str:
     spec = mesh_spec(plan)
     if spec.tp == 1 and spec.cp == 1:
         return ""
-    if spec.dp > 1:
-        return f"the runtime runs tp or cp > 1 with dp = 1 only (the mesh is {spec.shape}): use dp=1, or tp=cp=1"
+    if spec.ep > 1:
+        return (
+            f"expert parallelism (ep={spec.ep}) with tp or cp > 1 is not supported (the mesh is {spec.shape}): "
+            "use ep=1 (tensor parallelism splits every expert's hidden units instead)"
+        )
     with params_on_meta():
         built = build_model(plan.model)
     if built.input_names is not None:
