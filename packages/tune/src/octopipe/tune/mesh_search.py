@@ -89,8 +89,8 @@ class MeshTuneConfig:
     ``cp_degrees``: the degrees to try (None: tp over the divisors of the
     device count up to ``node_size``, cp over the divisors of the sequence up
     to ``max_cp``). ``tp_cp_with_dp=False``: tp or cp > 1 only with dp = 1
-    (what the runtime runs today; the simulator also models FSDP over dp with
-    them).
+    (the runtime also runs FSDP over dp with them, the default). With tp or
+    cp > 1, ep is 1 (the runtime refuses expert parallelism with them).
     """
 
     devices: int
@@ -266,11 +266,13 @@ def tune_mesh(
                 continue
             dp = inner // pp
             eps = expert_degrees(profile, dp, config.ep)
+            if tp * cp > 1:  # the runtime splits experts' hidden units over tp instead: ep = 1 with tp or cp
+                eps = [e for e in eps if e == 1]
             why = ""
             if pp > len(layers):
                 why = f"{pp} pipeline ranks need at least {pp} layers; the profile has {len(layers)}"
             elif not eps:
-                why = f"ep={config.ep} does not divide dp={dp}"
+                why = f"ep={config.ep} does not divide dp={dp}" if tp * cp == 1 else "ep > 1 with tp or cp > 1"
             elif tp * cp > 1 and dp > 1 and not config.tp_cp_with_dp:
                 why = f"tp={tp}, cp={cp} with dp={dp}: tp_cp_with_dp=False allows tp or cp > 1 only with dp = 1"
             elif config.global_batch % (dp * b):
