@@ -193,7 +193,9 @@ def test_bad_meshes_are_refused() -> None:
     with pytest.raises(PlanError, match="needs 4"):
         run_local_many([plan])
     plan.mesh.global_ranks[:] = []
-    with pytest.raises(ValueError, match=r"needs 4 processes \(pp=2 x dp=2 x cp=1 x tp=1\), but the process group has 2"):
+    with pytest.raises(
+        ValueError, match=r"needs 4 processes \(pp=2 x dp=2 x cp=1 x tp=1\), but the process group has 2"
+    ):
         MeshRank.create(plan, 0, 2)  # a worker started with the wrong world size
 
 

@@ -1,6 +1,7 @@
 """Tensor and context parallelism inside stages, on real gloo processes, against the single-process reference.
 
-tp=2 on one stage, pp=2 x tp=2 (4 processes) and cp=2 on an attention stack run
+tp=2 on one stage, pp=2 x tp=2 (4 processes), cp=2 on an attention stack and
+sequence parallelism (tp=2, with and without cp=2) run
 1F1B and ZB-H1 for 3 AdamW steps: the loss of every step, every gradient of the
 first step and every weight after the last step equal the reference's within
 fp32 tolerance (``assert_close``'s defaults). Not bitwise: a row-parallel
@@ -9,10 +10,12 @@ parallel attention masks explicitly instead of ``is_causal``. Whole tensors
 come from the slices (``MeshRank.full``), under the model's parameter names.
 
 Where the collectives land: tensor parallelism's all-reduces are in the
-forward and in the input-gradient (B) graph, context parallelism's all-gather
-in the forward and its reduce-scatter in B; a ZB weight-gradient (W) graph
-carries none (a weight gradient that needs a reduced value takes it from B's
-stash).
+forward and in the input-gradient (B) graph (with sequence parallelism an
+all-gather in and a reduce-scatter out of each layer, and the reverse in B),
+context parallelism's all-gather in the forward and its reduce-scatter in B; a
+ZB weight-gradient (W) graph carries none (a weight gradient that needs a
+reduced value takes it from B's stash; sequence parallelism's replicated
+weights are averaged over the tp ranks after the step, outside the graphs).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ OPTIONS = RunOptions(steps=3, keep_grads=True, keep_params=True, timeout_s=180, 
 
 
 def split_plans(
-    workload: str, *, pp: int, tp: int = 1, cp: int = 1, dp: int = 1, overlap: bool = False
+    workload: str, *, pp: int, tp: int = 1, cp: int = 1, dp: int = 1, overlap: bool = False, sp: bool = False
 ) -> list[plan_pb2.Plan]:
     reference = workload_reference(workload, tiny=True, sequence=8, global_batch=M * dp)
     names = build_model(reference).model.pipeline_layers()  # type: ignore[operator]
@@ -63,6 +66,7 @@ def split_plans(
         plan.mesh.tp = tp
         plan.mesh.cp = cp
         plan.mesh.dp = dp
+        plan.mesh.sequence_parallel = sp
     return [with_collectives(p, AHEAD) for p in plans] if dp > 1 else plans
 
 
@@ -99,6 +103,19 @@ def test_tp2_on_one_stage_equals_the_reference(workload: str) -> None:
 def test_pp2_tp2_equals_the_reference(workload: str) -> None:
     plans = split_plans(workload, pp=2, tp=2, overlap=workload == "llama-8")  # and multiplexed F/B graphs
     assert_matches_reference(plans, run_local_many(plans, OPTIONS))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("workload", "pp", "cp"),
+    [("llama-8", 1, 1), pytest.param("nemotronh-16", 2, 1, marks=pytest.mark.extended), ("llama-8", 1, 2)],
+)
+def test_sequence_parallel_equals_the_reference(workload: str, pp: int, cp: int) -> None:
+    # each tp rank holds 1/tp of the (context rank's) sequence between layers; norms, embedding, head and the
+    # loss run on it, and the replicated parameters' gradients are averaged over the tp ranks after the step
+    plans = split_plans(workload, pp=pp, tp=2, cp=cp, sp=True)
+    runs = run_local_many(plans, OPTIONS)
+    assert_matches_reference(plans, runs)
 
 
 @pytest.mark.slow
@@ -150,6 +167,11 @@ def test_a_mesh_the_model_cannot_take_is_refused_in_one_line_before_any_rank_sta
     _one_line_refusal(plan, "mesh cp=3 does not divide the sequence length 8")
     plan = split_plans("nemotronh-16", pp=1, cp=2)[0]
     _one_line_refusal(plan, "Mamba layer(s), whose scan needs the whole sequence in order: use cp=1")
+    plan = split_plans("llama-8", pp=1, tp=4, cp=4, sp=True)[0]  # cp = 4 divides 8, cp x tp = 16 does not
+    _one_line_refusal(plan, "sequence parallelism splits the sequence of 8 over cp x tp = 16 ranks")
+    plan = split_plans("llama-8", pp=1, tp=1, sp=True)[0]
+    with pytest.raises(PlanError, match="sequence_parallel splits the sequence over the tp ranks, but tp=1"):
+        run_local_many([plan], OPTIONS)
     plan = split_plans("moe-ep-4", pp=1, tp=2)[0]
     plan.mesh.dp = plan.mesh.ep = 2
     _one_line_refusal(with_collectives(plan), "expert parallelism (ep=2) with tp or cp > 1 is not supported")
@@ -194,23 +216,26 @@ def _graph_placement(rank: int, world: int, split: str) -> None:
     names = built.model.pipeline_layers()  # type: ignore[operator]
     stages = split_model(built.model, [names[:2], [names[2]], names[3:]])
     with torch.no_grad():
-        hidden = stages[0](tokens if split == "tp" else tokens.chunk(world, 1)[rank])
+        hidden = stages[0](tokens if split == "tp" else tokens.chunk(world, 1)[rank])  # sp and cp: a slice
     stage = stages[1]
-    if split == "tp":
-        tensor_parallel(stage, default_group())
-    else:
+    if split == "cp":
         context_parallel(stage, default_group())
+    else:
+        tensor_parallel(stage, default_group(), sequence_parallel=split == "sp")
     compiled = compile_stage(stage, [hidden])
     assert compiled.split is not None
     forward, backward_input = _collectives(compiled.graphs.forward), _collectives(compiled.split.backward_input)
     if split == "tp":  # attention and MLP: one all-reduce each way (Megatron's g forward, f backward)
         assert forward == ["all_reduce", "all_reduce"] and backward_input == ["all_reduce", "all_reduce"]
+    elif split == "sp":  # the sequence gathered in, reduce-scattered out, per layer; the reverse in B
+        assert forward == ["all_gather", "reduce_scatter", "all_gather", "reduce_scatter"]
+        assert sorted(backward_input) == ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"]
     else:  # keys and values gathered forward, their gradients reduce-scattered in B
         assert forward == ["all_gather", "all_gather"]
         assert sorted(backward_input) == ["reduce_scatter", "reduce_scatter"]
     assert _collectives(compiled.split.backward_weight) == []
 
 
-@pytest.mark.parametrize("split", ["tp", "cp"])
+@pytest.mark.parametrize("split", ["tp", "sp", "cp"])
 def test_collectives_land_in_the_forward_and_input_gradient_graphs(split: str) -> None:
     run_ranks(_graph_placement, 2, split)

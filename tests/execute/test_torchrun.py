@@ -80,7 +80,10 @@ def test_torchrun_with_the_wrong_process_count_names_the_one_needed(tmp_path: Pa
     save_plan(_mesh_plan(), tmp_path / "plan.binpb")
     done = _torchrun(tmp_path / "plan.binpb", tmp_path / "out", 2)
     assert done.returncode != 0
-    assert "the launch has 2 ranks but the plan needs 4 (2 pipeline ranks x 2 replicas, context and tensor ranks)" in done.stderr
+    assert (
+        "the launch has 2 ranks but the plan needs 4 (2 pipeline ranks x 2 replicas, context and tensor ranks)"
+        in done.stderr
+    )
 
 
 @pytest.mark.slow

@@ -250,3 +250,36 @@ def test_moe_experts_split_over_tp() -> None:
     assert stage.forward_us == F_US / 2
     assert stage.parameter_bytes == PARAMS // 2 and stage.expert_parameter_bytes == 300
     assert stage.parallel is not None and stage.parallel.tp_forward_bytes == OUT
+
+
+def _sp_plan(tp: int = 2) -> plan_pb2.Plan:
+    plan = _plan(tp=tp)
+    plan.mesh.sequence_parallel = True
+    return plan
+
+
+def test_sequence_parallel_layers_pay_the_same_bytes_and_keep_only_their_gathered_input_whole() -> None:
+    """Sequence parallelism: the all-gather in and reduce-scatter out of a split layer take a ring all-reduce's
+    time; its saved activations keep one [b, s, h] (the gathered input, O) whole and split the rest."""
+    sim = simulate(_sp_plan(), _profile())
+    ar = _all_reduce(TP_LINK, 2, OUT)
+    assert sim.estimate.step_time_us == pytest.approx((F_US + I_US + W_US) / 2 + 2 * ar, rel=1e-12)
+    whole = min(1000, OUT)  # A = 1000 <= O: the gathered input is all of it
+    stage = stage_cost_from_layers([_profile().layers[0]], tp=2, sequence_parallel=True)
+    assert stage.activation_bytes == whole + (1000 - whole) // 2
+    small = _profile()
+    small.layers[0].output_tensors[0].size_bytes = 100  # O = 100: 100 whole, 900 split
+    assert stage_cost_from_layers([small.layers[0]], tp=2, sequence_parallel=True).activation_bytes == 100 + 450
+
+
+def test_sequence_parallel_replicated_layers_run_on_their_slice_and_average_gradients_per_step() -> None:
+    """A head under sequence parallelism: compute, activations and outputs / tp (1/tp of the tokens); once per
+    step its gradient is all-reduced over the tp group (it holds its slice's share)."""
+    profile = _profile("head")
+    share = split_layer(profile.layers[0], 2, 1, True)
+    assert share.forward_duration_us == F_US / 2
+    assert share.activation_saved_bytes == 500
+    assert share.output_tensors[0].size_bytes == OUT // 2
+    sim = simulate(_sp_plan(), profile)
+    assert sim.estimate.step_time_us == pytest.approx((F_US + I_US + W_US) / 2 + _all_reduce(TP_LINK, 2, GRADS))
+    assert sim.estimate.ranks[0].static_memory_bytes == PARAMS + GRADS + OPT  # the weights stay whole

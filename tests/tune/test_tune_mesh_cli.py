@@ -67,6 +67,8 @@ def test_collective_bandwidth_flag_overrides_the_profile(
             "raise the cap",
         ),
         (["--memory-cap", "1MB"], "give --ranks and --microbatches"),
+        (["--devices", "8", "--global-batch", "32", "--memory-cap", "1MB", "--tp", "two"], "--tp 'two'"),
+        (["--devices", "8", "--global-batch", "32", "--memory-cap", "1MB", "--cp", "0"], "positive integers"),
     ],
 )
 def test_bad_mesh_input_exits_2_with_one_line(
@@ -83,3 +85,19 @@ def test_bad_mesh_input_exits_2_with_one_line(
 )
 def test_sizes(text: str, value: int) -> None:
     assert parse_bytes(text) == value
+
+
+def test_tune_devices_searches_tensor_and_context_degrees(
+    profile_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "mesh.binpb"
+    argv = ["tune", str(profile_path), "--devices", "8", "--global-batch", "32", "--memory-cap", "1MB"]
+    argv += ["--p2p-bandwidth", "1GB/s", "--tp", "1,2", "--cp", "1,2", "--sequence-parallel", "--out", str(out)]
+    assert main([*argv, "--json"]) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    plan = load_plan(out)
+    verify_plan(plan)
+    assert report["pp"] * report["dp"] * report["tp"] * report["cp"] == 8
+    assert (plan.mesh.tp or 1, plan.mesh.cp or 1) == (report["tp"], report["cp"])
+    assert plan.mesh.sequence_parallel == (report["tp"] > 1) == report["sequence_parallel"]
+    assert {(c["tp"], c["cp"]) for c in report["candidates"]} == {(1, 1), (1, 2), (2, 1), (2, 2)}

@@ -45,6 +45,8 @@ class MeshSpec:
     global_ranks: tuple[int, ...]
     tp: int = 1
     cp: int = 1
+    #: Megatron sequence parallelism over the tp ranks (the proto's ``sequence_parallel``)
+    sequence_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -52,8 +54,13 @@ class MeshSpec:
 
     @property
     def shape(self) -> str:
-        """``pp=2 x dp=1 x cp=1 x tp=2`` (for messages)."""
-        return f"pp={self.pp} x dp={self.dp} x cp={self.cp} x tp={self.tp}"
+        """``pp=2 x dp=1 x cp=1 x tp=2`` (for messages; ``+sp`` with sequence parallelism)."""
+        return f"pp={self.pp} x dp={self.dp} x cp={self.cp} x tp={self.tp}" + ("+sp" if self.sequence_parallel else "")
+
+    @property
+    def sequence_shards(self) -> int:
+        """How many slices of every sequence the ranks of one replica hold between layers: cp (x tp with sp)."""
+        return self.cp * (self.tp if self.sequence_parallel else 1)
 
     def global_rank(self, pipeline_rank: int, replica: int, context: int = 0, tensor: int = 0) -> int:
         """The torch.distributed rank of one (pipeline rank, replica, context rank, tensor rank)."""
@@ -142,7 +149,9 @@ def mesh_spec(plan: plan_pb2.Plan) -> MeshSpec:
             raise PlanError(f"mesh.global_ranks must be a permutation of 0..{world - 1}, got {list(ranks)}")
     else:
         ranks = tuple(range(world))
-    return MeshSpec(pp=pp, dp=dp, ep=ep, global_ranks=ranks, tp=tp, cp=cp)
+    if mesh.sequence_parallel and tp == 1:
+        raise PlanError("mesh.sequence_parallel splits the sequence over the tp ranks, but tp=1: set tp > 1 or drop it")
+    return MeshSpec(pp=pp, dp=dp, ep=ep, global_ranks=ranks, tp=tp, cp=cp, sequence_parallel=mesh.sequence_parallel)
 
 
 def check_mesh_model(spec: MeshSpec, facts: Mapping[str, int]) -> None:
@@ -164,6 +173,17 @@ def check_mesh_model(spec: MeshSpec, facts: Mapping[str, int]) -> None:
     if spec.cp > 1 and sequence and sequence % spec.cp:
         raise PlanError(
             f"mesh cp={spec.cp} does not divide the sequence length {sequence}: choose a cp that divides {sequence}"
+        )
+    shards = spec.sequence_shards
+    if spec.sequence_parallel and sequence and sequence % shards:
+        raise PlanError(
+            f"sequence parallelism splits the sequence of {sequence} over cp x tp = {shards} ranks, which does not "
+            f"divide it: choose tp and cp whose product divides {sequence}"
+        )
+    if spec.sequence_parallel and facts.get("moe_layers", 0):
+        raise PlanError(
+            "sequence parallelism with MoE layers is not supported (each rank would route its own slice of the "
+            "tokens, with other expert capacities than the model's): drop sequence_parallel"
         )
     if spec.cp > 1 and facts.get("mamba_layers", 0):
         raise PlanError(

@@ -115,7 +115,8 @@ def bind(program: Program, costs: CostModel) -> Bound:
         a2a = _mesh_durations(program, costs, table, tp * cp)
     exchange_f, exchange_b, parallel_tail = a2a, a2a, 0.0
     if any(stage.parallel is not None for stage in costs.stages):
-        exchange_f, exchange_b, parallel_tail = _parallel_durations(program, costs, table, tp, cp, a2a)
+        sp = mesh is not None and mesh.sequence_parallel
+        exchange_f, exchange_b, parallel_tail = _parallel_durations(program, costs, table, (tp, cp, sp), a2a)
     saved = [stage.activation_bytes for stage in costs.stages]
     freed_by_input = [stage.freed_by_backward_input_bytes for stage in costs.stages]
     unsharded_bytes = [
@@ -274,16 +275,27 @@ def _mesh_durations(
 
 
 def _parallel_durations(
-    program: Program, costs: CostModel, table: dict[tuple[int, int], float], tp: int, cp: int, a2a: list[float]
+    program: Program,
+    costs: CostModel,
+    table: dict[tuple[int, int], float],
+    degrees: tuple[int, int, bool],
+    a2a: list[float],
 ) -> tuple[list[float], list[float], float]:
-    """Add each stage's TP/CP traffic to its F, I, B (and the cp gradient all-reduce to its REDUCE_GRAD) in
-    ``table``; return per stage what F and what I/B exchange (all-to-alls included) and the step's tail."""
+    """Add each stage's TP/CP traffic to its F, I, B (and the cp / sequence-parallel gradient all-reduces to its
+    REDUCE_GRAD) in ``table``; return per stage what F and what I/B exchange (all-to-alls included) and the
+    step's tail. ``degrees``: the mesh's (tp, cp, sequence_parallel)."""
+    tp, cp, sp = degrees
     exchange_f, exchange_b = list(a2a), list(a2a)
     for stage, cost in enumerate(costs.stages):
-        if cost.parallel is not None and (cost.parallel.tp, cost.parallel.cp) != (tp, cp):
+        if cost.parallel is not None and (cost.parallel.tp, cost.parallel.cp, cost.parallel.sequence_parallel) != (
+            tp,
+            cp,
+            sp,
+        ):
             raise ValueError(
-                f"stage {stage}'s costs are for tp={cost.parallel.tp}, cp={cost.parallel.cp}, but the plan's mesh has "
-                f"tp={tp}, cp={cp}: build the cost model from this plan (CostModel.from_profile)"
+                f"stage {stage}'s costs are for tp={cost.parallel.tp}, cp={cost.parallel.cp}, sequence parallel "
+                f"{cost.parallel.sequence_parallel}, but the plan's mesh has tp={tp}, cp={cp}, sequence parallel {sp}: "
+                "build the cost model from this plan (CostModel.from_profile)"
             )
     links = costs.collectives
     if links is None:  # as for all-to-alls: no group costs, no collective time
@@ -303,9 +315,14 @@ def _parallel_durations(
         for code, extra in ((F, forward), (I, backward), (B, backward)):
             if extra and (stage, _KINDS[code]) not in measured:
                 table[stage, code] += extra
+        reduce_us = 0.0
         if cp_link is not None:
             size = -(-cost.gradient_bytes // program.dp)  # after REDUCE_GRAD an FSDP stage holds its shard
-            reduce_us = gradient_all_reduce_us(cp_link, cp, size)
+            reduce_us += gradient_all_reduce_us(cp_link, cp, size)
+        if tp_link is not None and cost.parallel.replicated_gradient_bytes:  # sequence parallelism's average
+            size = -(-cost.parallel.replicated_gradient_bytes // program.dp)
+            reduce_us += gradient_all_reduce_us(tp_link, tp, size)
+        if reduce_us:
             if stage not in reduced:
                 tail[rank] += reduce_us
             elif (stage, ActionKind.REDUCE_GRAD) not in measured:

@@ -303,8 +303,9 @@ class CostModel:
         stage_layers = [tuple(stage.layer_names) for stage in plan.stages]
         # tensor / context parallelism: each stage's costs are one (tensor rank, context rank)'s share
         tp, cp = (plan.mesh.tp or 1, plan.mesh.cp or 1) if plan.HasField("mesh") else (1, 1)
+        sp = plan.HasField("mesh") and plan.mesh.sequence_parallel
         costs = [
-            _stage_cost(index, names, layers, collective_bandwidth_bytes_per_second, tp, cp)
+            _stage_cost(index, names, layers, collective_bandwidth_bytes_per_second, tp, cp, sp)
             for index, names in enumerate(stage_layers)
         ]
         links = {}
@@ -415,6 +416,7 @@ def _stage_cost(
     collective_bandwidth: float | None,
     tp: int = 1,
     cp: int = 1,
+    sequence_parallel: bool = False,
 ) -> StageCost:
     if not names:
         raise ValueError(
@@ -427,7 +429,11 @@ def _stage_cost(
         raise ValueError(f"stage {index}: layers {missing} are not in the profile: profile them or fix the plan")
     try:
         return stage_cost_from_layers(
-            [layers[name] for name in names], collective_bandwidth=collective_bandwidth, tp=tp, cp=cp
+            [layers[name] for name in names],
+            collective_bandwidth=collective_bandwidth,
+            tp=tp,
+            cp=cp,
+            sequence_parallel=sequence_parallel,
         )
     except ValueError as exc:
         raise ValueError(f"stage {index} (layers {list(names)}): {exc}") from None
@@ -439,6 +445,7 @@ def stage_cost_from_layers(
     collective_bandwidth: float | None = None,
     tp: int = 1,
     cp: int = 1,
+    sequence_parallel: bool = False,
 ) -> StageCost:
     """One stage's cost from its layers' LayerCost, in model order: the one place a stage is summed.
 
@@ -454,7 +461,7 @@ def stage_cost_from_layers(
     if tp < 1 or cp < 1:
         raise ValueError(f"tp and cp must be >= 1, got tp={tp}, cp={cp}")
     if tp * cp > 1:
-        shares, traffic = split_layers(costs, tp, cp)
+        shares, traffic = split_layers(costs, tp, cp, sequence_parallel)
         whole = stage_cost_from_layers(shares, collective_bandwidth=collective_bandwidth)
         return replace(whole, parallel=traffic)
     saved = sum(c.activation_saved_bytes for c in costs)

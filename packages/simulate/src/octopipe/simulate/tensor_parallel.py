@@ -52,6 +52,17 @@ split layer and ``q = cp`` for a replicated one:
 * CP, once per step: the stage's gradients all-reduced over the cp group (after
   the REDUCE_GRAD of an FSDP stage: its 1/dp shard).
 
+**Sequence parallelism** (``sequence_parallel``, tp > 1): between layers a
+rank holds 1/tp of its tokens, so replicated layers (embedding, head) run on
+them too (time, activations / (tp x cp)) and boundary tensors are / (tp x cp);
+a split layer keeps only its gathered input whole (one [b, s, h] per component:
+its weight gradient reads it), norms hold 1/tp; its all-reduces become an
+all-gather in and a reduce-scatter out (the same bytes: a ring all-reduce *is*
+a reduce-scatter then an all-gather, so the same time); once per step the
+replicated layers' gradients (``replicated_gradient_bytes``, their 1/dp shard)
+are all-reduced over the tp group (norm weights inside split layers are left
+out: a few KB).
+
 **Times** (ring formulas of ``octopipe.simulate.collectives``, over the group's
 link, n ranks, B bytes in c collectives):
 ``all-reduce: 2 ((n-1)/n B / bw + c (n-1) lat)``;
@@ -66,7 +77,7 @@ tp = cp = 1.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate.collectives import all_gather_us, all_reduce_us
@@ -112,13 +123,21 @@ class ParallelTraffic:
     cp_forward_count: int = 0
     cp_backward_bytes: int = 0
     cp_backward_count: int = 0
+    #: sequence parallelism: the tp collectives are all-gathers and reduce-scatters (the same ring time as
+    #: all-reduces of the same bytes), and the replicated layers' gradients are averaged over tp once per step
+    sequence_parallel: bool = False
+    #: gradient bytes of the layers replicated on the tp ranks (sequence parallelism's per-step all-reduce)
+    replicated_gradient_bytes: int = 0
 
     def __add__(self, other: ParallelTraffic) -> ParallelTraffic:
-        if (self.tp, self.cp) != (other.tp, other.cp):
-            raise ValueError(f"cannot add traffic of tp={other.tp}, cp={other.cp} to tp={self.tp}, cp={self.cp}")
+        mine, theirs = (self.tp, self.cp, self.sequence_parallel), (other.tp, other.cp, other.sequence_parallel)
+        if mine != theirs:
+            raise ValueError(f"cannot add traffic of (tp, cp, sp) {theirs} to {mine}")
         return ParallelTraffic(
             tp=self.tp,
             cp=self.cp,
+            sequence_parallel=self.sequence_parallel,
+            replicated_gradient_bytes=self.replicated_gradient_bytes + other.replicated_gradient_bytes,
             tp_forward_bytes=self.tp_forward_bytes + other.tp_forward_bytes,
             tp_forward_count=self.tp_forward_count + other.tp_forward_count,
             tp_backward_bytes=self.tp_backward_bytes + other.tp_backward_bytes,
@@ -158,11 +177,12 @@ def _kv_bytes(cost: profile_pb2.LayerCost, kinds: tuple[str, ...]) -> int:
     return 2 * _output_bytes(cost) * sum(k in ATTENTION for k in kinds)
 
 
-def layer_traffic(cost: profile_pb2.LayerCost, tp: int, cp: int) -> ParallelTraffic:
+def layer_traffic(cost: profile_pb2.LayerCost, tp: int, cp: int, sequence_parallel: bool = False) -> ParallelTraffic:
     """One rank's TP and CP collectives in one micro-batch of the layer (module doc)."""
     _check(tp, cp)
+    sp = sequence_parallel and tp > 1
     kinds = components(cost)
-    out = ParallelTraffic(tp=tp, cp=cp)
+    out = ParallelTraffic(tp=tp, cp=cp, sequence_parallel=sp)
     again = 2 if cost.backward_recomputes_forward else 1  # the backward re-runs the forward's collectives
     if tp > 1 and _is_split(cost, kinds):
         splits = sum(k in TP_SPLIT for k in kinds)
@@ -175,6 +195,7 @@ def layer_traffic(cost: profile_pb2.LayerCost, tp: int, cp: int) -> ParallelTraf
         out = ParallelTraffic(
             tp=tp,
             cp=cp,
+            sequence_parallel=sp,
             tp_forward_bytes=share,
             tp_forward_count=count,
             tp_backward_bytes=share * again,
@@ -187,15 +208,20 @@ def layer_traffic(cost: profile_pb2.LayerCost, tp: int, cp: int) -> ParallelTraf
         out = out + ParallelTraffic(
             tp=tp,
             cp=cp,
+            sequence_parallel=sp,
             cp_forward_bytes=gathered,
             cp_forward_count=count,
             cp_backward_bytes=gathered * again,
             cp_backward_count=count * again,
         )
+    if sp and not _is_split(cost, kinds):  # a replicated layer on 1/tp of the tokens: its gradient is partial
+        out = replace(out, replicated_gradient_bytes=cost.gradient_bytes)
     return out
 
 
-def split_layer(cost: profile_pb2.LayerCost, tp: int, cp: int) -> profile_pb2.LayerCost:
+def split_layer(
+    cost: profile_pb2.LayerCost, tp: int, cp: int, sequence_parallel: bool = False
+) -> profile_pb2.LayerCost:
     """The layer as one (tensor rank, context rank) runs it: a LayerCost of that rank's times and bytes
     (module doc). Raises ValueError for cp > 1 on a Mamba layer (its scan needs the whole sequence)."""
     _check(tp, cp)
@@ -206,8 +232,10 @@ def split_layer(cost: profile_pb2.LayerCost, tp: int, cp: int) -> profile_pb2.La
             f"mesh cp={cp} cannot split it; use cp=1 for this model"
         )
     split = tp > 1 and _is_split(cost, kinds)
+    sp = sequence_parallel and tp > 1
     t = tp if split else 1
-    q = t * cp
+    tokens = cp * (tp if sp else 1)  # the slices of the sequence a rank holds between layers
+    q = t * cp if split or not sp else tokens  # sp: a replicated layer runs on 1/tp of the tokens too
     out = profile_pb2.LayerCost()
     out.CopyFrom(cost)
     out.forward_duration_us = cost.forward_duration_us / q
@@ -216,14 +244,17 @@ def split_layer(cost: profile_pb2.LayerCost, tp: int, cp: int) -> profile_pb2.La
     if cost.HasField("full_backward_duration_us"):
         out.full_backward_duration_us = cost.full_backward_duration_us / q
     saved = cost.activation_saved_bytes
+    parts = max(1, sum(k in TP_SPLIT for k in kinds))
     if split:
         if cost.HasField("tensor_parallel_replicated_activation_bytes"):
             whole = min(saved, cost.tensor_parallel_replicated_activation_bytes)
+        elif sp:  # each component keeps its gathered input whole (its weight gradient reads it); norms hold 1/tp
+            whole = min(saved, parts * _output_bytes(cost))
         else:
-            whole = min(saved, 2 * max(1, sum(k in TP_SPLIT for k in kinds)) * _output_bytes(cost))
+            whole = min(saved, 2 * parts * _output_bytes(cost))
         mine = _ceil(whole + _ceil(saved - whole, t), cp)
     else:
-        mine = _ceil(saved, cp)
+        mine = _ceil(saved, tokens)
     out.activation_saved_bytes = mine
     freed_input = cost.activation_freed_by_backward_input_bytes * mine // saved if saved else 0
     out.activation_freed_by_backward_input_bytes = freed_input
@@ -246,20 +277,21 @@ def split_layer(cost: profile_pb2.LayerCost, tp: int, cp: int) -> profile_pb2.La
         out.expert_parameter_bytes = min(out.parameter_bytes, _ceil(cost.expert_parameter_bytes, t))
     out.all_to_all_bytes = _ceil(cost.all_to_all_bytes, cp)
     for tensor in out.output_tensors:
-        tensor.size_bytes = _ceil(tensor.size_bytes, cp)
-        if len(tensor.shape) >= 2 and tensor.shape[-2] % cp == 0:
-            tensor.shape[-2] //= cp  # [..., s, h]: the rank's tokens
+        tensor.size_bytes = _ceil(tensor.size_bytes, tokens)
+        if len(tensor.shape) >= 2 and tensor.shape[-2] % tokens == 0:
+            tensor.shape[-2] //= tokens  # [..., s, h]: the rank's tokens
     return out
 
 
 def split_layers(
-    costs: Sequence[profile_pb2.LayerCost], tp: int, cp: int
+    costs: Sequence[profile_pb2.LayerCost], tp: int, cp: int, sequence_parallel: bool = False
 ) -> tuple[tuple[profile_pb2.LayerCost, ...], ParallelTraffic]:
     """Every layer's per-rank share (``split_layer``) and the layers' summed traffic (``layer_traffic``)."""
-    traffic = ParallelTraffic(tp=tp, cp=cp)
+    sp = sequence_parallel and tp > 1
+    traffic = ParallelTraffic(tp=tp, cp=cp, sequence_parallel=sp)
     for cost in costs:
-        traffic = traffic + layer_traffic(cost, tp, cp)
-    return tuple(split_layer(cost, tp, cp) for cost in costs), traffic
+        traffic = traffic + layer_traffic(cost, tp, cp, sp)
+    return tuple(split_layer(cost, tp, cp, sp) for cost in costs), traffic
 
 
 def _many(formula: Callable[[Link, int, int], float], link: Link, group: int, size: int, count: int) -> float:

@@ -42,9 +42,10 @@ __all__ = [
     "TPSpec",
     "all_reduce_tp",
     "copy_to_tp",
-    "gather_context",
+    "gather_sequence",
     "gather_tp",
     "reduce_from_tp",
+    "scatter_sequence",
     "shard_tp",
     "slice_parameter",
 ]
@@ -90,7 +91,7 @@ class _ReduceBoth(torch.autograd.Function):
         return _all_reduce(grad, ctx.group_name), None
 
 
-class _GatherContext(torch.autograd.Function):
+class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group_name: str, world: int) -> torch.Tensor:
         ctx.dim, ctx.group_name, ctx.world = dim, group_name, world
@@ -107,10 +108,35 @@ class _GatherContext(torch.autograd.Function):
         return scattered, None, None, None
 
 
-def gather_context(x: torch.Tensor, dim: int, group_name: str, world: int) -> torch.Tensor:
-    """All-gather ``x``'s slices along ``dim`` over a context-parallel group (rank order); the gradient is
-    reduce-scattered (summed) back: each rank gets every rank's gradient of its own slice."""
-    out: torch.Tensor = _GatherContext.apply(x, dim, group_name, world)
+def gather_sequence(x: torch.Tensor, dim: int, group_name: str, world: int) -> torch.Tensor:
+    """All-gather ``x``'s slices along ``dim`` over a group (rank order); the gradient is reduce-scattered
+    (summed) back: each rank gets every rank's gradient of its own slice. Context parallelism's keys and
+    values; sequence parallelism's entry into a tensor-parallel layer."""
+    out: torch.Tensor = _GatherSequence.apply(x, dim, group_name, world)
+    return out
+
+
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group_name: str, world: int) -> torch.Tensor:
+        ctx.dim, ctx.group_name, ctx.world = dim, group_name, world
+        moved = x.movedim(dim, 0).contiguous()
+        out = _functional.wait_tensor(_functional.reduce_scatter_tensor(moved, "sum", world, group_name))
+        scattered: torch.Tensor = out.movedim(0, dim)
+        return scattered
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        moved = grad.movedim(ctx.dim, 0).contiguous()
+        out = _functional.wait_tensor(_functional.all_gather_into_tensor(moved, ctx.world, ctx.group_name))
+        gathered: torch.Tensor = out.movedim(0, ctx.dim)
+        return gathered, None, None, None
+
+
+def scatter_sequence(x: torch.Tensor, dim: int, group_name: str, world: int) -> torch.Tensor:
+    """Sum ``x`` over the group and keep this rank's slice along ``dim`` (a reduce-scatter); the gradient is
+    all-gathered. Sequence parallelism's exit from a tensor-parallel layer (Megatron's reduce-scatter)."""
+    out: torch.Tensor = _ScatterSequence.apply(x, dim, group_name, world)
     return out
 
 

@@ -91,6 +91,8 @@ class MeshTuneConfig:
     to ``max_cp``). ``tp_cp_with_dp=False``: tp or cp > 1 only with dp = 1
     (the runtime also runs FSDP over dp with them, the default). With tp or
     cp > 1, ep is 1 (the runtime refuses expert parallelism with them).
+    ``sequence_parallel``: meshes with tp > 1 run Megatron sequence
+    parallelism (plans carry ``mesh.sequence_parallel``).
     """
 
     devices: int
@@ -113,6 +115,7 @@ class MeshTuneConfig:
     node_size: int = 8
     max_cp: int = 32
     tp_cp_with_dp: bool = True
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.devices < 1 or self.global_batch < 1:
@@ -210,8 +213,9 @@ class _MeshEvaluator(Evaluator):
         self.collectives = links
         self.tp, self.cp = tp, cp
         self.dp, self.ep = config.devices // (pp * tp * cp), ep
+        self.sequence_parallel = config.sequence_parallel and tp > 1
         if tp * cp > 1:
-            self.layers = replace(self.layers, tp=tp, cp=cp)
+            self.layers = replace(self.layers, tp=tp, cp=cp, sequence_parallel=self.sequence_parallel)
 
     def cost_model(self, bounds: Sequence[int]) -> CostModel:
         return replace(super().cost_model(bounds), collectives=self.collectives)
@@ -225,6 +229,7 @@ class _MeshEvaluator(Evaluator):
         plan.mesh.dp, plan.mesh.ep = self.dp, self.ep
         if self.tp * self.cp > 1:
             plan.mesh.tp, plan.mesh.cp = self.tp, self.cp
+            plan.mesh.sequence_parallel = self.sequence_parallel
         plan.labels["collectives"] = policy.name
         return plan
 
@@ -302,7 +307,8 @@ def tune_mesh(
                 scaled_by[k] = scale_microbatches(profile, k)
             bound = 0.0
             if tp * cp > 1:
-                shares = replace(Layers.from_profile(scaled_by[k]), tp=tp, cp=cp)
+                sp = config.sequence_parallel and tp > 1
+                shares = replace(Layers.from_profile(scaled_by[k]), tp=tp, cp=cp, sequence_parallel=sp)
                 bound = step_lower_bound_us(shares, pp, per_replica // k, config.overlap_hidden_fraction)
             points.append((bound, tp, cp, pp, k, eps))
     # (1, 1) first, in pipeline order (the pp x dp search of before); then the others from the lowest bound up

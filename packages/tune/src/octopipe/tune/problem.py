@@ -103,13 +103,15 @@ class Layers:
     costs: tuple[profile_pb2.LayerCost, ...]
     tp: int = 1
     cp: int = 1
+    #: Megatron sequence parallelism over the tp ranks (mesh.sequence_parallel)
+    sequence_parallel: bool = False
 
     @cached_property
     def shares(self) -> tuple[profile_pb2.LayerCost, ...]:
         """Each layer's per-rank share (the layers themselves at tp = cp = 1)."""
         if self.tp * self.cp == 1:
             return self.costs
-        return tuple(split_layer(cost, self.tp, self.cp) for cost in self.costs)
+        return tuple(split_layer(cost, self.tp, self.cp, self.sequence_parallel) for cost in self.costs)
 
     @classmethod
     def from_profile(cls, profile: profile_pb2.Profile) -> Layers:
@@ -130,7 +132,9 @@ class Layers:
 
     def stage_cost(self, start: int, end: int) -> StageCost:
         """Layers ``start:end`` as one stage: simulate's own sum, so the tuner and the verifier agree."""
-        return stage_cost_from_layers(self.costs[start:end], tp=self.tp, cp=self.cp)
+        return stage_cost_from_layers(
+            self.costs[start:end], tp=self.tp, cp=self.cp, sequence_parallel=self.sequence_parallel
+        )
 
 
 @dataclass(frozen=True, order=True)

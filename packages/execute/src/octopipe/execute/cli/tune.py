@@ -85,6 +85,17 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
         type=int,
         help="expert-parallel degree (default: every one that divides dp and the MoE layers' experts is tried)",
     )
+    mesh.add_argument(
+        "--tp",
+        help="tensor-parallel degrees to try inside stages, e.g. 1,2,4,8 (default: 1, none; each must divide the "
+        "model's heads and hidden units to run)",
+    )
+    mesh.add_argument("--cp", help="context-parallel degrees to try, e.g. 1,2,4 (default: 1, none; not with Mamba)")
+    mesh.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="meshes with tp > 1 run Megatron sequence parallelism (default: off)",
+    )
     parser.add_argument("--families", default=",".join(FAMILIES), help=f"placements to search ({', '.join(FAMILIES)})")
     parser.add_argument("--time-budget", type=float, default=30.0, help="seconds (default 30)")
     parser.add_argument("--max-evaluations", type=int, default=3000, help="simulations at most (default 3000)")
@@ -141,6 +152,7 @@ def _run_mesh(args: argparse.Namespace) -> int:
         raise ValueError("--devices chooses the pipeline ranks and micro-batches: drop --ranks and --microbatches")
     if args.global_batch is None or args.memory_cap is None:
         raise ValueError("--devices needs --global-batch (samples per step) and --memory-cap (per device, e.g. 80GB)")
+    tp_degrees, cp_degrees = _degrees("--tp", args.tp), _degrees("--cp", args.cp)  # checked before any work
     profile = load_profile(args.profile)
     links = None
     if args.collective_bandwidth is not None:
@@ -154,12 +166,7 @@ def _run_mesh(args: argparse.Namespace) -> int:
         p2p = Link(latency_us=args.p2p_latency_us, bandwidth_bytes_per_second=args.p2p_bandwidth)
     elif not profile.links:
         raise ValueError("the profile has no links between ranks: give --p2p-bandwidth (e.g. 50GB/s)")
-    degrees = None
-    if args.pipeline_degrees:
-        try:
-            degrees = tuple(int(d) for d in args.pipeline_degrees.split(","))
-        except ValueError:
-            raise ValueError(f"--pipeline-degrees {args.pipeline_degrees!r}: give integers, e.g. 4,8,16") from None
+    degrees = _degrees("--pipeline-degrees", args.pipeline_degrees)
     config = MeshTuneConfig(
         devices=args.devices,
         global_batch=args.global_batch,
@@ -171,6 +178,9 @@ def _run_mesh(args: argparse.Namespace) -> int:
         max_microbatches=args.max_microbatches,
         ep=args.ep,
         registry=args.registry,
+        tp_degrees=tp_degrees,
+        cp_degrees=cp_degrees,
+        sequence_parallel=args.sequence_parallel,
     )
     result = tune_mesh(profile, config)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -184,12 +194,28 @@ def _run_mesh(args: argparse.Namespace) -> int:
     return 0
 
 
+def _degrees(flag: str, text: str | None) -> tuple[int, ...] | None:
+    """A comma-separated list of positive degrees (None when the flag was not given)."""
+    if not text:
+        return None
+    try:
+        values = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: give positive integers, e.g. 1,2,4") from None
+    if any(v < 1 for v in values):
+        raise ValueError(f"{flag} {text!r}: give positive integers, e.g. 1,2,4")
+    return values
+
+
 def _mesh_json(result: MeshTuneResult, plan_path: Path, text_path: Path) -> dict[str, Any]:
     return {
         "plan": str(plan_path),
         "plan_text": str(text_path),
         "pp": result.pp,
         "dp": result.dp,
+        "tp": result.tp,
+        "cp": result.cp,
+        "sequence_parallel": result.plan.mesh.sequence_parallel,
         "ep": result.ep,
         "microbatches": result.num_microbatches,
         "microbatch_size": result.microbatch_size,
@@ -203,6 +229,8 @@ def _mesh_json(result: MeshTuneResult, plan_path: Path, text_path: Path) -> dict
             {
                 "pp": c.pp,
                 "dp": c.dp,
+                "tp": c.tp,
+                "cp": c.cp,
                 "ep": c.ep,
                 "microbatches": c.num_microbatches,
                 "microbatch_size": c.microbatch_size,
@@ -221,19 +249,23 @@ def _print_mesh(result: MeshTuneResult, plan_path: Path, text_path: Path) -> Non
 
     console = Console()
     title = (
-        f"chosen: pp {result.pp} x dp {result.dp} (ep {result.ep}), {result.num_microbatches} micro-batches of "
+        f"chosen: pp {result.pp} x dp {result.dp} x cp {result.cp} x tp {result.tp}"
+        f"{' (sequence parallel)' if result.plan.mesh.sequence_parallel else ''} (ep {result.ep}), "
+        f"{result.num_microbatches} micro-batches of "
         f"{result.microbatch_size} per replica ({result.description})"
     )
     rows = (("1F1B, equal layer counts, same mesh", result.baseline), ("tuned", result.estimate))
     console.print(_estimate_table(title, rows, memory=("GB", 1e9), step_format=".1f"))
-    tried = Table(title="every pp x dp x ep tried (its best plan)")
-    for column in ("pp", "dp", "ep", "m", "step ms", "fits", "schedule / why not"):
+    tried = Table(title="every pp x dp x cp x tp x ep tried (its best plan)")
+    for column in ("pp", "dp", "cp", "tp", "ep", "m", "step ms", "fits", "schedule / why not"):
         tried.add_column(column)
     for c in result.candidates:
         step = f"{c.step_time_us / 1e3:.1f}" if c.num_microbatches else "-"
         tried.add_row(
             str(c.pp),
             str(c.dp),
+            str(c.cp),
+            str(c.tp),
             str(c.ep),
             str(c.num_microbatches),
             step,

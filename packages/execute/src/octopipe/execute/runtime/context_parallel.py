@@ -5,7 +5,7 @@ of every sequence (rank c: tokens c*S/cp .. (c+1)*S/cp - 1). Every layer but
 attention works token by token, so it runs on the slice as it is. Attention
 (:class:`ContextParallelAttention`, Llama 3's all-gather form) rotates its
 queries and keys by their true positions, all-gathers the keys and values of
-the whole sequence over the group (``octopipe.transform.gather_context``:
+the whole sequence over the group (``octopipe.transform.gather_sequence``:
 its gradient is a reduce-scatter, so each rank gets back every rank's
 gradient of its own keys and values) and attends its queries to all of them
 under the causal mask of their true positions.
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from octopipe.examples.models import Attention, Mamba
-from octopipe.transform.tensor_parallel import gather_context
+from octopipe.transform.tensor_parallel import gather_sequence
 
 __all__ = ["ContextParallelAttention", "context_parallel"]
 
@@ -52,8 +52,8 @@ class ContextParallelAttention(Attention):
         qkv = self.wqkv(x).view(batch, seq, 3, self.heads, self.head_dim).transpose(1, 3)
         q, k, v = qkv.unbind(dim=2)
         q, k = self._rope(q, offset), self._rope(k, offset)
-        k = gather_context(k, 2, self.group_name, self.world)  # [batch, heads, seq * cp, head_dim]
-        v = gather_context(v, 2, self.group_name, self.world)
+        k = gather_sequence(k, 2, self.group_name, self.world)  # [batch, heads, seq * cp, head_dim]
+        v = gather_sequence(v, 2, self.group_name, self.world)
         queries = torch.arange(seq, device=x.device) + offset
         keys = torch.arange(seq * self.world, device=x.device)
         causal = keys.unsqueeze(0) <= queries.unsqueeze(1)  # [seq, seq * cp]: a key at or before the query

@@ -157,7 +157,13 @@ def merge_results(
     for index, plan in enumerate(plans):
         mesh = mesh_spec(plan)
         # every replica's and context rank's last stage (tensor rank 0): means over equal slices of the batch
-        ends = [mesh.global_rank(plan.stages[-1].rank, d, c) for d in range(mesh.dp) for c in range(mesh.cp)]
+        tensor = range(mesh.tp) if mesh.sequence_parallel else range(1)  # sp: each tp rank's loss is its slice's
+        ends = [
+            mesh.global_rank(plan.stages[-1].rank, d, c, t)
+            for d in range(mesh.dp)
+            for c in range(mesh.cp)
+            for t in tensor
+        ]
         last = [results[r][index]["losses"] for r in ends]
         losses = [sum(step) / len(ends) for step in zip(*last, strict=True)] if len(ends) > 1 else list(last[0])
         result = RunResult(losses=losses, wall_s=wall_s, grad_norms=list(results[0][index].get("grad_norms", [])))

@@ -42,7 +42,10 @@ row-parallel split; the all-reduces trace into the captured graphs) and see
 the same tokens; the cp ranks hold consecutive slices of every sequence
 (:mod:`octopipe.execute.runtime.context_parallel`; attention all-gathers keys
 and values) and average every gradient over their group after the backward
-(:meth:`MeshRank.average_context`). With dp > 1 too, each process's tp
+(:meth:`MeshRank.average_split`). With ``mesh.sequence_parallel`` each tp
+rank also holds 1/tp of the (context rank's) sequence between layers: layers
+all-gather it at their input and reduce-scatter at their output (Megatron's
+sequence parallelism), and gradients are fixed up as ``average_split`` says. With dp > 1 too, each process's tp
 slices are then FSDP-sharded over its dp group (the processes with the same
 pipeline, context and tensor rank). Pipeline messages go between processes
 with the same (replica, context rank, tensor rank). Only the zoo's layers
@@ -289,10 +292,13 @@ class MeshRank:
     def replica_model(self, built: BuiltModel, num_microbatches: int) -> BuiltModel:
         """``built`` whose ``batch(step)`` is this replica's slice of the global batch (and, with cp > 1, this
         context rank's slice of every sequence)."""
-        if self.spec.dp == 1 and self.spec.cp == 1:
+        if self.spec.dp == 1 and self.spec.sequence_shards == 1:
             return built
         dp, replica, full = self.spec.dp, self.replica, built.batch
-        cp, context = self.spec.cp, self.spec.position(self.global_rank).cp
+        where, cp = self.spec.position(self.global_rank), self.spec.sequence_shards
+        # context rank c holds the c-th of cp slices; with sequence parallelism its tensor rank t the t-th of
+        # tp slices of that (slice c * tp + t of cp * tp)
+        context = where.cp * self.spec.tp + where.tp if self.spec.sequence_parallel else where.cp
 
         def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
             tokens, targets = full(step)
@@ -315,16 +321,29 @@ class MeshRank:
             if self.cp_group is not None:
                 context_parallel(stages[s], self.cp_group)
             if self.tp_group is not None:
-                self.tp_specs.update(tensor_parallel(stages[s], self.tp_group))
+                sequence = self.spec.sequence_parallel
+                self.tp_specs.update(tensor_parallel(stages[s], self.tp_group, sequence_parallel=sequence))
 
-    def average_context(self, grads: Mapping[str, torch.Tensor | None]) -> None:
-        """Average gradients over the context-parallel group, in place (every cp rank, same names, same order)."""
-        if self.cp_group is None:
-            return
-        for grad in grads.values():
-            if grad is not None:
-                dist.all_reduce(grad, group=self.cp_group)
-                grad.div_(self.spec.cp)
+    def average_split(self, grads: Mapping[str, torch.Tensor | None]) -> None:
+        """Turn each rank's gradients of its slice of the sequence into those of the whole sequence's mean loss,
+        in place (a collective: every process, same names, same order).
+
+        Context parallelism: every gradient is averaged over the cp group. Sequence parallelism: each tp rank's
+        loss is its slice's mean, and the collectives' gradients bring every rank's loss to every slice, so a
+        tensor-parallel slice's gradient is divided by tp and a replicated parameter's (norms, embedding, head:
+        each rank's holds its slice's share) is averaged over the tp group."""
+        if self.cp_group is not None:
+            for grad in grads.values():
+                if grad is not None:
+                    dist.all_reduce(grad, group=self.cp_group)
+                    grad.div_(self.spec.cp)
+        if self.spec.sequence_parallel and self.tp_group is not None:
+            for name, grad in grads.items():
+                if grad is None:
+                    continue
+                if name not in self.tp_specs:
+                    dist.all_reduce(grad, group=self.tp_group)
+                grad.div_(self.spec.tp)
 
     def counts_norm(self, name: str) -> bool:
         """Whether this process adds ``name``'s gradient to a clipped global norm: a tensor-parallel slice on

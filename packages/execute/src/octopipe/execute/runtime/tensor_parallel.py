@@ -43,19 +43,32 @@ from octopipe.execute.runtime.models import build_model
 from octopipe.execute.runtime.pretrained import params_on_meta
 from octopipe.ir import PlanError, check_mesh_model, mesh_spec
 from octopipe.plan.v1 import plan_pb2
-from octopipe.transform.tensor_parallel import TPSpec, all_reduce_tp, copy_to_tp, reduce_from_tp, slice_parameter
+from octopipe.transform.tensor_parallel import (
+    TPSpec,
+    all_reduce_tp,
+    copy_to_tp,
+    gather_sequence,
+    reduce_from_tp,
+    scatter_sequence,
+    slice_parameter,
+)
 
 __all__ = ["split_problem", "tensor_parallel", "tensor_parallel_facts"]
 
 M = TypeVar("M", bound=nn.Module)
 
 
-def _edges(module: nn.Module, group_name: str) -> None:
+def _edges(module: nn.Module, group: dist.ProcessGroup, sequence: bool) -> None:
+    """The layer's entry and exit collectives: f and g, or (sequence parallel) all-gather and reduce-scatter
+    of the sequence (dim 1 of ``[batch, seq, hidden]``)."""
+    name, world = str(group.group_name), dist.get_world_size(group)
+
     def enter(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (copy_to_tp(args[0], group_name), *args[1:])
+        x = gather_sequence(args[0], 1, name, world) if sequence else copy_to_tp(args[0], name)
+        return (x, *args[1:])
 
     def leave(_: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(out, group_name)
+        return scatter_sequence(out, 1, name, world) if sequence else reduce_from_tp(out, name)
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave)
@@ -72,16 +85,18 @@ def _split(
     return specs
 
 
-def _attention(module: Attention, prefix: str, group: dist.ProcessGroup, world: int) -> dict[str, TPSpec]:
+def _attention(
+    module: Attention, prefix: str, group: dist.ProcessGroup, world: int, sequence: bool
+) -> dict[str, TPSpec]:
     if module.heads % world:
         raise ValueError(f"{prefix or 'attention'}: tp={world} does not divide its {module.heads} heads")
     specs = _split(module, prefix, group, {"wqkv.weight": (0, 3), "wo.weight": (1, 1)})
     module.heads //= world
-    _edges(module, str(group.group_name))
+    _edges(module, group, sequence)
     return specs
 
 
-def _mamba(module: Mamba, prefix: str, group: dist.ProcessGroup, world: int) -> dict[str, TPSpec]:
+def _mamba(module: Mamba, prefix: str, group: dist.ProcessGroup, world: int, sequence: bool) -> dict[str, TPSpec]:
     channels = module.heads if module.heads is not None else module.inner
     if channels % world:
         raise ValueError(f"{prefix or 'mamba'}: tp={world} does not divide its {channels} heads (channels)")
@@ -105,7 +120,7 @@ def _mamba(module: Mamba, prefix: str, group: dist.ProcessGroup, world: int) -> 
     module.conv.groups = module.conv.in_channels = module.conv.out_channels = module.inner
     name = str(group.group_name)
     module.x_proj.register_forward_hook(lambda _m, _a, out: all_reduce_tp(out, name))
-    _edges(module, name)
+    _edges(module, group, sequence)
     return specs
 
 
@@ -123,13 +138,16 @@ def _moe(module: MoE, prefix: str, group: dist.ProcessGroup, world: int) -> dict
     return specs
 
 
-def tensor_parallel(module: M, group: dist.ProcessGroup) -> dict[str, TPSpec]:
+def tensor_parallel(module: M, group: dist.ProcessGroup, *, sequence_parallel: bool = False) -> dict[str, TPSpec]:
     """Slice every tensor-parallel layer of ``module`` over ``group`` in place (see the module docstring).
 
     Every rank must hold the same whole weights first (built from the same
     seed). Returns each sliced parameter's spec by its name in ``module``.
+    ``sequence_parallel``: the module runs on this rank's slice of the
+    sequence between layers (the caller feeds it that slice).
     """
     world = dist.get_world_size(group)
+    sequence = sequence_parallel
     specs: dict[str, TPSpec] = {}
     if world == 1:
         return specs
@@ -140,16 +158,18 @@ def tensor_parallel(module: M, group: dist.ProcessGroup) -> dict[str, TPSpec]:
         if isinstance(sub, Attention):
             if sub.dropout:
                 raise ValueError(f"{prefix}: tensor parallelism needs attention dropout 0 (got {sub.dropout})")
-            specs.update(_attention(sub, dotted, group, world))
+            specs.update(_attention(sub, dotted, group, world, sequence))
         elif isinstance(sub, SwiGLU):
             specs.update(_split(sub, dotted, group, {"w1.weight": (0, 1), "w3.weight": (0, 1), "w2.weight": (1, 1)}))
-            _edges(sub, str(group.group_name))
+            _edges(sub, group, sequence)
         elif isinstance(sub, SquaredReluMLP):
             specs.update(_split(sub, dotted, group, {"up.weight": (0, 1), "down.weight": (1, 1)}))
-            _edges(sub, str(group.group_name))
+            _edges(sub, group, sequence)
         elif isinstance(sub, Mamba):
-            specs.update(_mamba(sub, dotted, group, world))
+            specs.update(_mamba(sub, dotted, group, world, sequence))
         elif isinstance(sub, MoE):
+            if sequence:
+                raise ValueError(f"{prefix}: sequence parallelism with MoE layers is not supported: drop it")
             specs.update(_moe(sub, dotted, group, world))
     return specs
 
@@ -167,6 +187,8 @@ def tensor_parallel_facts(model: nn.Module) -> dict[str, int]:
             facts["ffn"] = sub.w1.out_features
         elif isinstance(sub, SquaredReluMLP):
             facts["mlp_ffn"] = sub.up.out_features
+        elif isinstance(sub, MoE):
+            facts["moe_layers"] = facts.get("moe_layers", 0) + 1
     return facts
 
 

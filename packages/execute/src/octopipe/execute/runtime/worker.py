@@ -351,7 +351,7 @@ def _run_plan(
         if ties:  # a collective: every rank, every step, the same order
             for (_, name), grad in reduce_tied(ties, stages, runtime, plain, holder).items():
                 weights.set_grad(canonical[name], grad)
-        mesh.average_context({n: weights.grad(n) for n in params})  # cp > 1: a collective over the context ranks
+        mesh.average_split({n: weights.grad(n) for n in params})  # cp > 1 or sequence parallel: a collective
         watch.mark()  # the step ends here: the tied-gradient exchange is part of it (as simulated)
         if step == config.start_step and config.keep_grads:
             first_grads = {n: g.clone() for n in params if (g := weights.grad(n)) is not None}
