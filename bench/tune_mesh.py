@@ -225,6 +225,7 @@ def _choice(result: MeshTuneResult, tokens: int, walls: list[float], cpus: list[
             "dp": result.dp,
             "tp": result.tp,
             "cp": result.cp,
+            "sequence_parallel": result.plan.mesh.sequence_parallel,
             "ep": result.ep,
             "microbatches": result.num_microbatches,
             "microbatch_sequences": result.microbatch_size,
@@ -316,6 +317,10 @@ def main() -> None:
             print(_line(model, devices, "+ tp, cp", tuned, tokens, cpus), flush=True)
             gain = plain.estimate.step_time_us / tuned.estimate.step_time_us
             print(f"{'':>14} {'':>7} {'':>9} throughput x pp x dp-only: {gain:.3f}", flush=True)
+            sp, sp_walls, sp_cpus = _timed(profile, replace(config, sequence_parallel=True), args.runs)
+            print(_line(model, devices, "+ sp", sp, tokens, sp_cpus), flush=True)
+            sp_gain = plain.estimate.step_time_us / sp.estimate.step_time_us
+            print(f"{'':>14} {'':>7} {'':>9} throughput x pp x dp-only: {sp_gain:.3f}", flush=True)
             rows.append(
                 {
                     "model": model,
@@ -323,6 +328,8 @@ def main() -> None:
                     "pp_dp_only": _choice(plain, tokens, plain_walls, plain_cpus),
                     "with_tp_cp": _choice(tuned, tokens, walls, cpus),
                     "throughput_vs_pp_dp_only": gain,
+                    "with_tp_cp_sequence_parallel": _choice(sp, tokens, sp_walls, sp_cpus),
+                    "throughput_sequence_parallel_vs_pp_dp_only": sp_gain,
                 }
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -84,21 +84,28 @@ def mesh_plans(workload: str, *, ep: int) -> list[plan_pb2.Plan]:
     return out
 
 
+def assert_tensors_close(
+    plan: str, what: str, expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]
+) -> None:
+    """The same names, shapes, and values within fp32 tolerance (``assert_close``'s defaults)."""
+    assert sorted(actual) == sorted(expected), plan
+    for name, value in expected.items():
+        assert actual[name].shape == value.shape, (plan, name)
+        torch.testing.assert_close(
+            actual[name],
+            value,
+            msg=lambda m, n=name: f"{plan}: {what} {n}: {m}",  # type: ignore[misc]
+        )
+
+
 def assert_matches_reference(
     plans: Sequence[plan_pb2.Plan], runs: Sequence[RunResult], *, dp: int = DP, m: int = M
 ) -> None:
     ref = reference_run(plans[0].model, num_microbatches=m * dp, steps=3)
     for plan, run in zip(plans, runs, strict=True):
         assert run.losses == pytest.approx(ref.losses, rel=1e-6), plan.name
-        for what, expected, actual in (("grad", ref.grads, run.grads), ("param", ref.params, run.params)):
-            assert sorted(actual) == sorted(expected), plan.name
-            for name, value in expected.items():
-                assert actual[name].shape == value.shape, (plan.name, name)
-                torch.testing.assert_close(
-                    actual[name],
-                    value,
-                    msg=lambda m, n=name, w=what, p=plan.name: f"{p}: {w} {n}: {m}",  # type: ignore[misc]
-                )
+        assert_tensors_close(plan.name, "grad", ref.grads, run.grads)
+        assert_tensors_close(plan.name, "param", ref.params, run.params)
         assert sorted(run.timelines) == list(range(len(plan.ranks) * dp))  # one process per (pipeline rank, replica)
         for rank, steps in run.timelines.items():
             pipeline_rank = rank // dp  # global rank p * dp + d (no rank map)

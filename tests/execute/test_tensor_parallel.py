@@ -41,6 +41,7 @@ from octopipe.plan.v1 import plan_pb2
 from octopipe.transform import compile_stage
 from octopipe.transform.collectives import COLLECTIVE_KINDS, is_collective, packet
 from octopipe.tune import CollectivePlacement, equal_partition, one_f_one_b, zb_h1
+from tests.execute.test_mesh_runtime import assert_tensors_close
 from tests.execute.test_runtime import overlapped_1f1b
 from tests.transform.gloo import default_group, run_ranks
 
@@ -74,16 +75,9 @@ def assert_matches_reference(plans: Sequence[plan_pb2.Plan], runs: Sequence[RunR
     ref = reference_run(plans[0].model, num_microbatches=M * mesh_spec(plans[0]).dp, steps=3)
     for plan, run in zip(plans, runs, strict=True):
         assert run.losses == pytest.approx(ref.losses, rel=1e-6), plan.name
-        checks = [("grad", ref.grads, run.grads)] + ([("param", ref.params, run.params)] if params else [])
-        for what, expected, actual in checks:
-            assert sorted(actual) == sorted(expected), plan.name
-            for name, value in expected.items():
-                assert actual[name].shape == value.shape, (plan.name, name)
-                torch.testing.assert_close(
-                    actual[name],
-                    value,
-                    msg=lambda m, n=name, w=what, p=plan.name: f"{p}: {w} {n}: {m}",  # type: ignore[misc]
-                )
+        assert_tensors_close(plan.name, "grad", ref.grads, run.grads)
+        if params:
+            assert_tensors_close(plan.name, "param", ref.params, run.params)
         spec = mesh_spec(plan)
         assert sorted(run.timelines) == list(range(spec.world_size))  # one process per mesh coordinate
         for rank, steps in run.timelines.items():
