@@ -35,7 +35,7 @@ from octopipe.execute.runtime import (
     workload_reference,
 )
 from octopipe.execute.runtime.context_parallel import context_parallel
-from octopipe.execute.runtime.tensor_parallel import tensor_parallel
+from octopipe.execute.runtime.tensor_parallel import split_stage, tensor_parallel
 from octopipe.ir import MeshCoord, PlanError, check_mesh_model, mesh_spec, rank_actions, with_collectives
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform import compile_stage
@@ -233,3 +233,29 @@ def _graph_placement(rank: int, world: int, split: str) -> None:
 @pytest.mark.parametrize("split", ["tp", "sp", "cp"])
 def test_collectives_land_in_the_forward_and_input_gradient_graphs(split: str) -> None:
     run_ranks(_graph_placement, 2, split)
+
+
+def _vocabulary_split(rank: int, world: int) -> None:
+    reference = workload_reference("llama-8", tiny=True, sequence=8, global_batch=2)
+    built = build_model(reference)
+    tokens, targets = built.batch(0)
+    names = built.model.pipeline_layers()  # type: ignore[operator]
+    stages = split_model(built.model, [names[:-1], names[-1:]])
+    with torch.no_grad():
+        hidden = stages[0](tokens)
+        expected = stages[1](hidden, targets)  # the whole head and the model's own loss
+    specs = split_stage(stages[1], built.model, default_group(), sequence_parallel=False)
+    assert sorted(specs) == ["head.proj.weight"] and specs["head.proj.weight"].dim == 0
+    compiled = compile_stage(stages[1], [hidden, targets])
+    assert compiled.split is not None
+    # forward: the cross-entropy's max, sum of exponentials and target logit; backward: the head's input gradient
+    assert _collectives(compiled.graphs.forward) == ["all_reduce"] * 3
+    assert _collectives(compiled.split.backward_input) == ["all_reduce"]
+    loss, _ = compiled.forward([hidden, targets])
+    torch.testing.assert_close(loss, expected)  # the same loss from the vocabulary slices
+    first = split_stage(stages[0], built.model, default_group(), sequence_parallel=False)
+    assert "embed.weight" in first and first["embed.weight"].shape == (64, 32)
+
+
+def test_embedding_and_head_split_by_vocabulary_compute_the_models_loss() -> None:
+    run_ranks(_vocabulary_split, 2)

@@ -124,10 +124,22 @@ def test_recomputing_backward_repeats_the_forward_collectives() -> None:
 
 
 def test_replicated_layers_keep_their_compute_and_bytes_over_tp() -> None:
-    """A head (replicated on tp ranks): no division by tp, no all-reduce."""
-    sim = simulate(_plan(tp=2), _profile("head"))
+    """A layer of a kind the runtime does not split (replicated on tp ranks): no division by tp, no all-reduce."""
+    sim = simulate(_plan(tp=2), _profile("norm"))
     assert sim.estimate.step_time_us == F_US + I_US + W_US
     assert sim.estimate.ranks[0].static_memory_bytes == PARAMS + GRADS + OPT
+
+
+def test_the_head_splits_by_vocabulary_without_sequence_parallelism() -> None:
+    """A head over tp=2 (the runtime's loss parallelism): compute and weights / 2; forward, three all-reduces of
+    one value per token (the cross-entropy's max, sum, target logit: 8 tokens x 1 byte here); backward, its input
+    gradient's all-reduce (0 bytes in a one-layer stage: the boundary is not known here, latency only)."""
+    sim = simulate(_plan(tp=2), _profile("head"))
+    tokens = 8  # output [8, 512] uint8: 8 tokens of a 512-entry vocabulary slice
+    forward = _all_reduce(TP_LINK, 2, 3 * tokens) + 2 * _all_reduce(TP_LINK, 2, 0)
+    backward = _all_reduce(TP_LINK, 2, 0)
+    assert sim.estimate.step_time_us == pytest.approx((F_US + I_US + W_US) / 2 + forward + backward, rel=1e-12)
+    assert sim.estimate.ranks[0].static_memory_bytes == (PARAMS + GRADS + OPT) // 2
 
 
 def test_cp2_gathers_keys_and_values_and_all_reduces_gradients() -> None:

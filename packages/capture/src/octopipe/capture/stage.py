@@ -62,6 +62,13 @@ class StageModule(nn.Module):
             # a container made for inner paths is replaced by the real module, which holds them
             parent._modules[parts[-1]] = model.get_submodule(path)
 
+    def replace_loss(self, loss: LossFn) -> None:
+        """Compute the last stage's loss with ``loss(stage, output, target)`` instead (tensor parallelism's
+        vocabulary-parallel cross-entropy: the same value from a split head). Only the last stage has a loss."""
+        if self._loss is None:
+            raise ValueError(f"stage {self.stage_index} is not the last stage: it has no loss to replace")
+        self._loss = loss
+
     @property
     def is_first(self) -> bool:
         return self.stage_index == 0

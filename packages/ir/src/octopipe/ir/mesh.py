@@ -158,12 +158,14 @@ def check_mesh_model(spec: MeshSpec, facts: Mapping[str, int]) -> None:
     """Refuse a mesh the model cannot be split over, in one line: what does not divide what, and what to change.
 
     ``facts`` are the model's sizes that tp and cp must divide, by name:
-    ``heads`` (attention heads), ``mamba_heads``, ``ffn`` / ``mlp_ffn`` /
-    ``experts_ffn`` (MLP hidden units), ``vocab`` and ``sequence``; a fact the
+    ``heads`` (attention heads), ``mamba_heads``, ``ffn`` / ``mlp_ffn``
+    (MLP hidden units), ``vocab`` (an embedding and head split by vocabulary,
+    without sequence parallelism) and ``sequence``; a fact the
     model does not have is left out (or 0). ``mamba_layers`` > 0 with cp > 1 is
     refused: a Mamba scan runs the whole sequence in order.
     """
-    for name in ("heads", "mamba_heads", "ffn", "mlp_ffn"):
+    names = ("heads", "mamba_heads", "ffn", "mlp_ffn") + (() if spec.sequence_parallel else ("vocab",))
+    for name in names:
         size = facts.get(name, 0)
         if spec.tp > 1 and size and size % spec.tp:
             raise PlanError(

@@ -52,6 +52,14 @@ split layer and ``q = cp`` for a replicated one:
 * CP, once per step: the stage's gradients all-reduced over the cp group (after
   the REDUCE_GRAD of an FSDP stage: its 1/dp shard).
 
+**Embedding and head by vocabulary** (tp > 1, no sequence parallelism; the
+runtime's ``loss_parallel``): ``embedding`` and ``head`` layers are split too
+(time / (tp x cp), weights / tp, activations split but the head's input, kept
+whole); the embedding all-reduces its output in F; the head all-reduces its
+input gradient in I/B (the previous layer's output bytes in the same stage; 0
+for a stage's first layer) and three values per token in F (the
+cross-entropy's max, sum and target logit).
+
 **Sequence parallelism** (``sequence_parallel``, tp > 1): between layers a
 rank holds 1/tp of its tokens, so replicated layers (embedding, head) run on
 them too (time, activations / (tp x cp)) and boundary tensors are / (tp x cp);
@@ -87,6 +95,7 @@ __all__ = [
     "ATTENTION",
     "MAMBA",
     "TP_SPLIT",
+    "VOCAB_SPLIT",
     "ParallelTraffic",
     "components",
     "gradient_all_reduce_us",
@@ -98,6 +107,8 @@ __all__ = [
 
 #: layer_type components whose heads / hidden units the runtime splits over tp
 TP_SPLIT = frozenset({"attention", "mamba", "mamba2", "swiglu", "relu2", "mlp", "moe"})
+#: layer_type components the runtime splits by vocabulary over tp when there is no sequence parallelism
+VOCAB_SPLIT = frozenset({"embedding", "head"})
 #: components that gather keys and values over cp
 ATTENTION = frozenset({"attention"})
 #: components that cannot run with cp > 1 (a scan over the whole sequence in order)
@@ -158,6 +169,30 @@ def _is_split(cost: profile_pb2.LayerCost, kinds: tuple[str, ...]) -> bool:
     return cost.HasField("tensor_parallel_all_reduce_bytes") or (bool(kinds) and all(k in TP_SPLIT for k in kinds))
 
 
+def _vocab_split(kinds: tuple[str, ...], sequence_parallel: bool) -> bool:
+    return not sequence_parallel and bool(kinds) and all(k in VOCAB_SPLIT for k in kinds)
+
+
+def _vocab_traffic(cost: profile_pb2.LayerCost, kinds: tuple[str, ...], cp: int, input_bytes: int) -> tuple[int, ...]:
+    """(forward bytes, forward count, backward bytes, backward count) of a vocabulary-split embedding / head:
+    the embedding sums its ranks' lookups (one all-reduce of its output, forward); the head's input gradient is
+    all-reduced (backward) and its cross-entropy combines a max, a sum and the target's logit per token (three
+    all-reduces of one value per token, forward)."""
+    forward_bytes = forward_count = backward_bytes = backward_count = 0
+    if "embedding" in kinds:
+        forward_bytes, forward_count = _ceil(_output_bytes(cost), cp), 1
+    if "head" in kinds and cost.output_tensors:
+        logits = cost.output_tensors[0]
+        values = 1
+        for size in logits.shape:
+            values *= max(1, size)
+        element = logits.size_bytes // values if values else 4
+        tokens = values // max(1, logits.shape[-1]) if logits.shape else 0
+        forward_bytes, forward_count = forward_bytes + _ceil(3 * tokens * element, cp), forward_count + 3
+        backward_bytes, backward_count = _ceil(input_bytes, cp), 1
+    return forward_bytes, forward_count, backward_bytes, backward_count
+
+
 def _output_bytes(cost: profile_pb2.LayerCost) -> int:
     return sum(t.size_bytes for t in cost.output_tensors)
 
@@ -177,12 +212,25 @@ def _kv_bytes(cost: profile_pb2.LayerCost, kinds: tuple[str, ...]) -> int:
     return 2 * _output_bytes(cost) * sum(k in ATTENTION for k in kinds)
 
 
-def layer_traffic(cost: profile_pb2.LayerCost, tp: int, cp: int, sequence_parallel: bool = False) -> ParallelTraffic:
-    """One rank's TP and CP collectives in one micro-batch of the layer (module doc)."""
+def layer_traffic(
+    cost: profile_pb2.LayerCost, tp: int, cp: int, sequence_parallel: bool = False, input_bytes: int = 0
+) -> ParallelTraffic:
+    """One rank's TP and CP collectives in one micro-batch of the layer (module doc). ``input_bytes``: the
+    layer's input tensor (the previous layer's output), which a vocabulary-split head all-reduces backward."""
     _check(tp, cp)
     sp = sequence_parallel and tp > 1
     kinds = components(cost)
     out = ParallelTraffic(tp=tp, cp=cp, sequence_parallel=sp)
+    if tp > 1 and _vocab_split(kinds, sp) and not cost.HasField("tensor_parallel_all_reduce_bytes"):
+        f_bytes, f_count, b_bytes, b_count = _vocab_traffic(cost, kinds, cp, input_bytes)
+        out = ParallelTraffic(
+            tp=tp,
+            cp=cp,
+            tp_forward_bytes=f_bytes,
+            tp_forward_count=f_count,
+            tp_backward_bytes=b_bytes,
+            tp_backward_count=b_count,
+        )
     again = 2 if cost.backward_recomputes_forward else 1  # the backward re-runs the forward's collectives
     if tp > 1 and _is_split(cost, kinds):
         splits = sum(k in TP_SPLIT for k in kinds)
@@ -220,7 +268,7 @@ def layer_traffic(cost: profile_pb2.LayerCost, tp: int, cp: int, sequence_parall
 
 
 def split_layer(
-    cost: profile_pb2.LayerCost, tp: int, cp: int, sequence_parallel: bool = False
+    cost: profile_pb2.LayerCost, tp: int, cp: int, sequence_parallel: bool = False, input_bytes: int = 0
 ) -> profile_pb2.LayerCost:
     """The layer as one (tensor rank, context rank) runs it: a LayerCost of that rank's times and bytes
     (module doc). Raises ValueError for cp > 1 on a Mamba layer (its scan needs the whole sequence)."""
@@ -231,8 +279,9 @@ def split_layer(
             f"layer {cost.layer_name!r} ({cost.layer_type}) is a Mamba layer, whose scan needs the whole sequence: "
             f"mesh cp={cp} cannot split it; use cp=1 for this model"
         )
-    split = tp > 1 and _is_split(cost, kinds)
     sp = sequence_parallel and tp > 1
+    vocab = tp > 1 and _vocab_split(kinds, sp)
+    split = tp > 1 and (_is_split(cost, kinds) or vocab)
     t = tp if split else 1
     tokens = cp * (tp if sp else 1)  # the slices of the sequence a rank holds between layers
     q = t * cp if split or not sp else tokens  # sp: a replicated layer runs on 1/tp of the tokens too
@@ -248,6 +297,8 @@ def split_layer(
     if split:
         if cost.HasField("tensor_parallel_replicated_activation_bytes"):
             whole = min(saved, cost.tensor_parallel_replicated_activation_bytes)
+        elif vocab:  # the head keeps its normalised input whole (its projection's weight gradient reads it)
+            whole = min(saved, input_bytes if "head" in kinds else 0)
         elif sp:  # each component keeps its gathered input whole (its weight gradient reads it); norms hold 1/tp
             whole = min(saved, parts * _output_bytes(cost))
         else:
@@ -289,9 +340,10 @@ def split_layers(
     """Every layer's per-rank share (``split_layer``) and the layers' summed traffic (``layer_traffic``)."""
     sp = sequence_parallel and tp > 1
     traffic = ParallelTraffic(tp=tp, cp=cp, sequence_parallel=sp)
-    for cost in costs:
-        traffic = traffic + layer_traffic(cost, tp, cp, sp)
-    return tuple(split_layer(cost, tp, cp, sp) for cost in costs), traffic
+    inputs = [0] + [_output_bytes(cost) for cost in costs[:-1]]  # a stage's first input: its boundary, unknown here
+    for cost, size in zip(costs, inputs, strict=True):
+        traffic = traffic + layer_traffic(cost, tp, cp, sp, size)
+    return tuple(split_layer(cost, tp, cp, sp, size) for cost, size in zip(costs, inputs, strict=True)), traffic
 
 
 def _many(formula: Callable[[Link, int, int], float], link: Link, group: int, size: int, count: int) -> float:

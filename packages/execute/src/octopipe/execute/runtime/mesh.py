@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from octopipe.capture import StageGraphs
+from octopipe.capture import StageGraphs, StageModule
 from octopipe.execute.runtime.models import BuiltModel
 from octopipe.ir import MeshSpec, mesh_spec
 from octopipe.plan.v1 import plan_pb2
@@ -312,17 +312,17 @@ class MeshRank:
 
         return dataclasses.replace(built, batch=batch)
 
-    def split(self, stages: Sequence[nn.Module], mine: Sequence[int]) -> None:
-        """Split this rank's stages over its context and tensor ranks, in place (cp first, then tp)."""
+    def split(self, stages: Sequence[StageModule], mine: Sequence[int], model: nn.Module) -> None:
+        """Split this rank's stages of ``model`` over its context and tensor ranks, in place (cp first, then tp)."""
         from octopipe.execute.runtime.context_parallel import context_parallel  # noqa: PLC0415 (the zoo is optional)
-        from octopipe.execute.runtime.tensor_parallel import tensor_parallel  # noqa: PLC0415
+        from octopipe.execute.runtime.tensor_parallel import split_stage  # noqa: PLC0415
 
         for s in mine:
             if self.cp_group is not None:
                 context_parallel(stages[s], self.cp_group)
             if self.tp_group is not None:
                 sequence = self.spec.sequence_parallel
-                self.tp_specs.update(tensor_parallel(stages[s], self.tp_group, sequence_parallel=sequence))
+                self.tp_specs.update(split_stage(stages[s], model, self.tp_group, sequence_parallel=sequence))
 
     def average_split(self, grads: Mapping[str, torch.Tensor | None]) -> None:
         """Turn each rank's gradients of its slice of the sequence into those of the whole sequence's mean loss,
@@ -352,13 +352,17 @@ class MeshRank:
         return where.cp == 0 and (where.tp == 0 or name in self.tp_specs)
 
     def compile(
-        self, stages: Sequence[nn.Module], inputs: Mapping[int, list[torch.Tensor]], compiler: StageCompiler
+        self,
+        stages: Sequence[StageModule],
+        inputs: Mapping[int, list[torch.Tensor]],
+        compiler: StageCompiler,
+        model: nn.Module,
     ) -> dict[int, MeshStage]:
         """Shard (and expert-split) ``stages[s]`` for each ``s`` in ``inputs`` in place and compile it with
         ``compiler`` (capture, UNSHARD / REDUCE_GRAD split, B/W split); a collective over the dp (and ep)
         group, so every replica calls it in turn."""
         assert self.dp_group is not None, "compile is for dp > 1"
-        self.split(stages, sorted(inputs))  # tp / cp slices first (a no-op without them); FSDP shards the slices
+        self.split(stages, sorted(inputs), model)  # tp / cp slices first (a no-op without them); FSDP shards them
         for s in sorted(inputs):
             stage = stages[s]
             experts = self._split_experts(stage)

@@ -116,7 +116,7 @@ def rank_stages(
         materialize(stages, mine)
     executables: dict[int, StageExecutable | ShardedStage]
     if mesh.sharded:
-        executables = dict(mesh.compile(stages, inputs, compiler))
+        executables = dict(mesh.compile(stages, inputs, compiler, built.model))
     else:
         if mesh.split_layers:  # tp / cp > 1: this rank's slices of its stages; the collectives trace into the graphs
             if whole is not None:
@@ -124,7 +124,7 @@ def rank_stages(
                     "tensor and context parallelism split the zoo's layers (layer-list stages); a whole-model "
                     "capture runs with tp = cp = 1: drop them from the plan's mesh"
                 )
-            mesh.split(stages, mine)
+            mesh.split(stages, mine, built.model)
         executables = {
             s: compiler.executable(stages[s], inputs[s], stage_index=s, key=stage_key(stages[s], inputs[s], model_key))
             for s in mine

@@ -36,9 +36,11 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from octopipe.examples.models import Attention, Block, Mamba, MoE, SquaredReluMLP, SwiGLU
+from octopipe.capture import StageModule
+from octopipe.examples.models import Attention, Block, DecoderLM, Head, Mamba, MoE, SquaredReluMLP, SwiGLU
 from octopipe.execute.runtime.models import build_model
 from octopipe.execute.runtime.pretrained import params_on_meta
 from octopipe.ir import PlanError, check_mesh_model, mesh_spec
@@ -53,7 +55,16 @@ from octopipe.transform.tensor_parallel import (
     slice_parameter,
 )
 
-__all__ = ["split_problem", "tensor_parallel", "tensor_parallel_facts"]
+__all__ = [
+    "loss_parallel",
+    "split_problem",
+    "split_stage",
+    "tensor_parallel",
+    "tensor_parallel_facts",
+    "vocab_parallel_cross_entropy",
+]
+
+_functional = torch.ops._c10d_functional
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -138,6 +149,63 @@ def _moe(module: MoE, prefix: str, group: dist.ProcessGroup, world: int) -> dict
     return specs
 
 
+def _vocab_embedding(embed: nn.Embedding, prefix: str, group: dist.ProcessGroup) -> dict[str, TPSpec]:
+    """Rows of the embedding by vocabulary: each rank looks up the tokens of its rows (zeros for the others) and
+    the ranks' lookups are summed (an all-reduce of exact zeros and one value: the whole lookup, bitwise)."""
+    if embed.padding_idx is not None or embed.max_norm is not None or embed.sparse:
+        raise ValueError(f"{prefix}: a vocabulary-parallel embedding needs no padding_idx, max_norm or sparse")
+    world, rank, name = dist.get_world_size(group), dist.get_rank(group), str(group.group_name)
+    if embed.num_embeddings % world:
+        raise ValueError(f"{prefix}: tp={world} does not divide its vocabulary of {embed.num_embeddings}")
+    spec = slice_parameter(embed, "weight", dim=0, blocks=1, group=group)
+    rows = embed.num_embeddings // world
+    start = rank * rows
+
+    def lookup(tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - start
+        inside = (local >= 0) & (local < rows)
+        picked = F.embedding(local.clamp(0, rows - 1), embed.weight) * inside.unsqueeze(-1).to(embed.weight.dtype)
+        return reduce_from_tp(picked, name)
+
+    embed.forward = lookup  # type: ignore[method-assign,assignment]
+    return {f"{prefix}weight": spec}
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, group_name: str, world: int, rank: int, ignore_index: int = -100
+) -> torch.Tensor:
+    """``F.cross_entropy(logits.flatten(0, 1), target.flatten())`` (mean over the targets that are not
+    ``ignore_index``) from this rank's slice ``logits`` [..., V / world] of the vocabulary: the max, the sum of
+    exponentials and the target's logit are combined over the group; every rank gets the whole loss."""
+    flat, targets = logits.flatten(0, -2), target.flatten()
+    rows = flat.shape[-1]
+    peak = _functional.wait_tensor(_functional.all_reduce(flat.detach().amax(-1).contiguous(), "max", group_name))
+    shifted = flat - peak.unsqueeze(-1)  # the log-sum-exp does not depend on the shift: no gradient through it
+    total = reduce_from_tp(shifted.exp().sum(-1), group_name)
+    local = targets - rank * rows
+    inside = (local >= 0) & (local < rows)
+    picked = shifted.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1) * inside.to(shifted.dtype)
+    chosen = reduce_from_tp(picked, group_name)
+    kept = (targets != ignore_index).to(shifted.dtype)
+    return ((total.log() - chosen) * kept).sum() / kept.sum()
+
+
+def loss_parallel(stage: StageModule, group: dist.ProcessGroup) -> dict[str, TPSpec]:
+    """The zoo's head split by vocabulary (its projection column-parallel) and the stage's loss computed by
+    :func:`vocab_parallel_cross_entropy` from the split logits: the zoo's loss, ``DecoderLM.pipeline_loss``,
+    is that mean cross-entropy. A stage without the head is left as it is."""
+    head = stage.get_submodule("head") if hasattr(stage, "head") else None
+    if not isinstance(head, Head):
+        return {}
+    world, rank, name = dist.get_world_size(group), dist.get_rank(group), str(group.group_name)
+    if head.proj.out_features % world:
+        raise ValueError(f"head: tp={world} does not divide its vocabulary of {head.proj.out_features}")
+    specs = _split(head, "head.", group, {"proj.weight": (0, 1)})
+    head.proj.register_forward_pre_hook(lambda _m, args: (copy_to_tp(args[0], name), *args[1:]))
+    stage.replace_loss(lambda _root, out, target: vocab_parallel_cross_entropy(out, target, name, world, rank))
+    return specs
+
+
 def tensor_parallel(module: M, group: dist.ProcessGroup, *, sequence_parallel: bool = False) -> dict[str, TPSpec]:
     """Slice every tensor-parallel layer of ``module`` over ``group`` in place (see the module docstring).
 
@@ -174,6 +242,23 @@ def tensor_parallel(module: M, group: dist.ProcessGroup, *, sequence_parallel: b
     return specs
 
 
+def split_stage(
+    stage: StageModule, model: nn.Module, group: dist.ProcessGroup, *, sequence_parallel: bool
+) -> dict[str, TPSpec]:
+    """A pipeline stage of ``model`` over a tensor-parallel group: its layers (:func:`tensor_parallel`) and,
+    without sequence parallelism and for the zoo's :class:`DecoderLM` (whose loss is the mean cross-entropy),
+    its embedding and head by vocabulary with the loss computed from the split logits (:func:`loss_parallel`).
+    With sequence parallelism each rank holds other tokens, so the embedding and head stay whole."""
+    specs = tensor_parallel(stage, group, sequence_parallel=sequence_parallel)
+    if sequence_parallel or type(model) is not DecoderLM:
+        return specs
+    embed = stage.get_submodule("embed") if hasattr(stage, "embed") else None
+    if isinstance(embed, nn.Embedding):
+        specs.update(_vocab_embedding(embed, "embed.", group))
+    specs.update(loss_parallel(stage, group))
+    return specs
+
+
 def tensor_parallel_facts(model: nn.Module) -> dict[str, int]:
     """The sizes a tp degree must divide (``octopipe.ir.check_mesh_model``'s facts), from the model's layers."""
     facts: dict[str, int] = {}
@@ -189,6 +274,8 @@ def tensor_parallel_facts(model: nn.Module) -> dict[str, int]:
             facts["mlp_ffn"] = sub.up.out_features
         elif isinstance(sub, MoE):
             facts["moe_layers"] = facts.get("moe_layers", 0) + 1
+    if type(model) is DecoderLM:  # the embedding and head split by vocabulary (without sequence parallelism)
+        facts["vocab"] = model.config.vocab
     return facts
 
 
