@@ -42,6 +42,17 @@ from octopipe.transform.inductor import (
 from octopipe.transform.multiplexing import CommOverlap, Multiplexed, OverlapReport, Simulation, multiplex, simulate
 from octopipe.transform.overlap import OverlapResult, OverlapStage
 from octopipe.transform.profiler import ProfilerConfig, format_profile, profile_layers, profile_stages, storage_bytes
+from octopipe.transform.tensor_parallel import (
+    TPSpec,
+    all_reduce_tp,
+    copy_to_tp,
+    gather_sequence,
+    gather_tp,
+    reduce_from_tp,
+    scatter_sequence,
+    shard_tp,
+    slice_parameter,
+)
 
 try:
     __version__ = version("octopipe-transform")
@@ -82,26 +93,35 @@ __all__ = [
     "StageCompiler",
     "StageExecutable",
     "Stopwatch",
+    "TPSpec",
     "WeightContext",
     "__version__",
+    "all_reduce_tp",
     "bucket_collectives",
     "comm_bytes",
     "compile_fsdp_stage",
     "compile_stage",
     "compile_stage_graphs",
     "compiled_tolerance",
+    "copy_to_tp",
     "count_collectives",
     "format_profile",
+    "gather_sequence",
+    "gather_tp",
     "graph_flops",
     "measure_compute_us",
     "multiplex",
     "profile_costs",
     "profile_layers",
     "profile_stages",
+    "reduce_from_tp",
     "roofline_costs",
+    "scatter_sequence",
     "shard_parameters",
     "shard_specs",
+    "shard_tp",
     "simulate",
+    "slice_parameter",
     "split_backward",
     "split_fsdp",
     "stage_backend",
