@@ -48,13 +48,16 @@ def plans(draw: st.DrawFn) -> plan_pb2.Plan:
             plan.model.config[key] = value
     for key, value in draw(st.dictionaries(text, text, max_size=3)).items():
         plan.labels[key] = value
-    if draw(st.booleans()):  # a mesh: dp and ep as stored (0 reads as 1), maybe an explicit rank map
+    if draw(st.booleans()):  # a mesh: dp, ep, tp, cp as stored (0 reads as 1), sp, maybe an explicit rank map
         dp = draw(st.integers(0, 4))
         ep = draw(st.sampled_from([0] + [e for e in range(1, 5) if (dp or 1) % e == 0]))
+        tp, cp = draw(st.integers(0, 2)), draw(st.integers(0, 2))
         plan.mesh.SetInParent()
-        plan.mesh.dp, plan.mesh.ep = dp, ep
+        plan.mesh.dp, plan.mesh.ep, plan.mesh.tp, plan.mesh.cp = dp, ep, tp, cp
+        plan.mesh.sequence_parallel = tp > 1 and draw(st.booleans())
         if draw(st.booleans()):
-            plan.mesh.global_ranks.extend(draw(st.permutations(range(num_ranks * (dp or 1)))))
+            size = num_ranks * (dp or 1) * (tp or 1) * (cp or 1)
+            plan.mesh.global_ranks.extend(draw(st.permutations(range(size))))
     layer_names = draw(st.lists(text, unique=True, max_size=3 * num_stages))
     for s, rank in enumerate(placement):
         plan.stages.add(stage_index=s, rank=rank, layer_names=layer_names[s::num_stages])

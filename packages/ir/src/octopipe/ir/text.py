@@ -14,8 +14,9 @@ Example::
     rank 1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1
 
 The ``mesh`` line is present exactly when the plan has a ``mesh`` (dp and ep
-as stored, 0 included); an explicit global rank map follows as
-``mesh dp 2 ep 1 ranks [0, 2, 1, 3]``. The ``precision`` line (``precision
+as stored, 0 included); ``tp T`` and ``cp C`` follow when set, ``sp`` with
+sequence parallelism, and an explicit global rank map last:
+``mesh dp 2 ep 1 tp 2 sp ranks [0, 2, 1, 3, 4, 6, 5, 7]``. The ``precision`` line (``precision
 "bfloat16"``) is present exactly when the plan has a ``precision``.
 
 Strings are JSON (ASCII-escaped), so any name survives a round trip.
@@ -39,7 +40,7 @@ __all__ = ["HEADER", "plan_from_text", "plan_to_text"]
 HEADER: Final = "octopipe-plan v1"
 _STAGE_RE: Final = re.compile(r"stage (\d+) rank (\d+) (\[.*\])")
 _RANK_RE: Final = re.compile(r"rank (\d+)(?: cap (\d+))?:(.*)")
-_MESH_RE: Final = re.compile(r"mesh dp (\d+) ep (\d+)(?: ranks (\[[\d, ]*\]))?")
+_MESH_RE: Final = re.compile(r"mesh dp (\d+) ep (\d+)(?: tp (\d+))?(?: cp (\d+))?( sp)?(?: ranks (\[[\d, ]*\]))?")
 
 
 def _quote(value: str) -> str:
@@ -58,7 +59,10 @@ def plan_to_text(plan: plan_pb2.Plan) -> str:
     lines.append(f"microbatches {plan.num_microbatches}")
     if plan.HasField("mesh"):
         ranks = f" ranks {json.dumps(list(plan.mesh.global_ranks))}" if plan.mesh.global_ranks else ""
-        lines.append(f"mesh dp {plan.mesh.dp} ep {plan.mesh.ep}{ranks}")
+        mesh = plan.mesh
+        split = (f" tp {mesh.tp}" if mesh.tp else "") + (f" cp {mesh.cp}" if mesh.cp else "")
+        split += " sp" if mesh.sequence_parallel else ""
+        lines.append(f"mesh dp {mesh.dp} ep {mesh.ep}{split}{ranks}")
     if plan.HasField("precision"):
         lines.append(f"precision {_quote(plan.precision.compute_dtype)}")
     lines.extend(f"label {_quote(k)} {_quote(plan.labels[k])}" for k in sorted(plan.labels))
@@ -107,7 +111,12 @@ def _parse_line(plan: plan_pb2.Plan, line: str) -> None:
         plan.mesh.SetInParent()
         plan.mesh.dp, plan.mesh.ep = int(match.group(1)), int(match.group(2))
         if match.group(3) is not None:
-            plan.mesh.global_ranks.extend(json.loads(match.group(3)))
+            plan.mesh.tp = int(match.group(3))
+        if match.group(4) is not None:
+            plan.mesh.cp = int(match.group(4))
+        plan.mesh.sequence_parallel = match.group(5) is not None
+        if match.group(6) is not None:
+            plan.mesh.global_ranks.extend(json.loads(match.group(6)))
     elif key == "precision":
         plan.precision.SetInParent()
         plan.precision.compute_dtype = _string(rest)
@@ -124,7 +133,7 @@ def _parse_line(plan: plan_pb2.Plan, line: str) -> None:
             program.actions.append(action_to_proto(parse_action(token)))
     else:
         raise ValueError(
-            "expected one of: name, version, model, microbatches, 'mesh dp D ep E [ranks [...]]', precision, label, "
+            "expected one of: name, version, model, microbatches, 'mesh dp D ep E [tp T] [cp C] [sp] [ranks [...]]', precision, label, "
             "'stage N rank R [layers]', 'rank R [cap BYTES]: actions'"
         )
 
