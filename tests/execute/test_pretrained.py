@@ -101,6 +101,10 @@ def test_loading_or_exporting_with_a_mesh_is_refused() -> None:
     assert "dp=2" in weights_problem(meshed, WeightsSpec(load="x"))
     assert weights_problem(plan, WeightsSpec(load="x")) == ""
     assert weights_problem(meshed, None) == ""
+    meshed.mesh.dp, meshed.mesh.tp = 1, 2  # tensor-parallel slices under whole names: refused as well
+    assert "tp=2" in weights_problem(meshed, WeightsSpec(export="x"))
+    meshed.mesh.tp, meshed.mesh.cp = 1, 2
+    assert "cp=2" in weights_problem(meshed, WeightsSpec(load="x"))
 
 
 def test_byte_data_for_a_model_whose_labels_are_its_inputs_keeps_that_convention(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ from octopipe.execute.runtime import (
 )
 from octopipe.execute.runtime.context_parallel import context_parallel
 from octopipe.execute.runtime.tensor_parallel import split_stage, tensor_parallel
+from octopipe.execute.training import Optimization
 from octopipe.ir import MeshCoord, PlanError, check_mesh_model, mesh_spec, rank_actions, with_collectives
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform import compile_stage
@@ -259,3 +260,19 @@ def _vocabulary_split(rank: int, world: int) -> None:
 
 def test_embedding_and_head_split_by_vocabulary_compute_the_models_loss() -> None:
     run_ranks(_vocabulary_split, 2)
+
+
+@pytest.mark.slow
+def test_clipping_counts_every_slice_once_and_replicated_weights_once() -> None:
+    # tp=2 x cp=2 with sequence parallelism: a sliced weight's norm is the sum of its slices' squares, a
+    # replicated one (norms) is counted by tensor and context rank 0 only; the clipped run equals the reference
+    tight = Optimization(clip_grad_norm=0.05)
+    plan = split_plans("llama-8", pp=1, tp=2, cp=2, sp=True)[0]
+    run = run_local_many(
+        [plan], RunOptions(steps=3, keep_params=True, timeout_s=180, pin_cores=False, optimization=tight)
+    )[0]
+    ref = reference_run(plan.model, num_microbatches=M, steps=3, optimization=tight)
+    assert all(n > 0.05 for n in ref.grad_norms)  # every step clips
+    assert run.grad_norms == pytest.approx(ref.grad_norms, rel=1e-5)
+    assert run.losses == pytest.approx(ref.losses, rel=1e-6)
+    assert_tensors_close(plan.name, "param", ref.params, run.params)

@@ -432,16 +432,16 @@ def precision_problem(plan: plan_pb2.Plan) -> str:
 
 def weights_problem(plan: plan_pb2.Plan, weights: WeightsSpec | None) -> str:
     """Why ``plan`` cannot load or export ``weights`` ('' when it can): stage-by-stage loading and export
-    are built for pipelines without a mesh (dp = ep = 1)."""
+    are built for pipelines without a mesh (dp = ep = tp = cp = 1: one process holds each whole tensor)."""
     if weights is None or not (weights.load or weights.export):
         return ""
     try:
         mesh = mesh_spec(plan)
     except PlanError as exc:
         return str(exc)
-    if mesh.dp > 1 or mesh.ep > 1:
+    if mesh.world_size > mesh.pp:
         return (
-            f"loading or exporting weights with a mesh (dp={mesh.dp}, ep={mesh.ep}) is not built yet: run the plan "
+            f"loading or exporting weights with a mesh ({mesh.shape}, ep={mesh.ep}) is not built yet: run the plan "
             "without its mesh, or without weights.load / weights.export"
         )
     return ""
