@@ -59,6 +59,8 @@ class Environment:
     load_before: tuple[float, float, float] = field(default_factory=os.getloadavg)
     load_after: tuple[float, float, float] | None = None
     runs: list[dict[int, list[int]]] = field(default_factory=list)
+    #: what each octopipe launch's host allocator policy did, per rank (``RunResult.host_memory``)
+    host_memory: list[dict[str, Any]] = field(default_factory=list)
 
     def record(self, cores: dict[int, list[int]]) -> None:
         """One run's rank -> cores; a run whose ranks shared a core is an error (the figure would be wrong)."""
@@ -75,6 +77,7 @@ class Environment:
             "load_average_after": list(self.load_after),
             "forced_while_busy": self.forced,
             "rank_cores_per_run": self.runs,
+            "host_memory_per_run": self.host_memory,
         }
 
 

@@ -56,6 +56,9 @@ PLAN_KEY = "octopipe/plan"
 
 #: how a run's stage graphs run (``transform.inductor.BACKENDS``; kept here so the control plane needs no torch)
 STAGE_BACKENDS = ("eager", "inductor")
+#: how a rank's C allocator keeps freed host memory (``transform.host_memory.HOST_MEMORY_POLICIES``; kept here
+#: for the same reason)
+HOST_MEMORY_POLICIES = ("reuse", "system")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -86,6 +89,9 @@ class RunOptions:
     trained weights are exported (``training.WeightsSpec``). ``compile``: ``eager`` runs the split graphs
     as captured; ``inductor`` compiles each stage's F, B, I and W graphs (``transform.inductor``), and
     ``compile_fallback`` lets a graph that fails to compile run eagerly instead of failing the run.
+    ``host_memory``: ``reuse`` (default) makes each CPU rank's C allocator keep freed blocks for reuse instead
+    of mapping fresh, page-faulting memory for every activation (``transform.host_memory``); ``system``
+    leaves the C library's defaults.
     """
 
     steps: int = 1
@@ -113,6 +119,7 @@ class RunOptions:
     deterministic: bool = False
     compile: str = "eager"
     compile_fallback: bool = False
+    host_memory: str = "reuse"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cpus", tuple(self.cpus))  # a list given by a caller becomes a tuple
@@ -121,6 +128,8 @@ class RunOptions:
             problems.append(f"device must be one of {', '.join(RUN_DEVICES)}, got {self.device!r}")
         if self.compile not in STAGE_BACKENDS:
             problems.append(f"compile must be one of {', '.join(STAGE_BACKENDS)}, got {self.compile!r}")
+        if self.host_memory not in HOST_MEMORY_POLICIES:
+            problems.append(f"host_memory must be one of {', '.join(HOST_MEMORY_POLICIES)}, got {self.host_memory!r}")
         if self.steps < 0:  # 0: nothing to run (a run resumed from its last step's checkpoint)
             problems.append(f"steps must be >= 0, got {self.steps}")
         if self.timeout_s <= 0:
@@ -199,6 +208,8 @@ class WorkerConfig:
     #: to compile may run eagerly
     compile: str = "eager"
     compile_fallback: bool = False
+    #: how the rank's C allocator keeps freed host memory (``transform.host_memory``)
+    host_memory: str = "reuse"
 
     @classmethod
     def for_rank(
@@ -253,6 +264,7 @@ class WorkerConfig:
             deterministic=options.deterministic,
             compile=options.compile,
             compile_fallback=options.compile_fallback,
+            host_memory=options.host_memory,
         )
 
 
@@ -276,6 +288,11 @@ class ActionRecord:
     rss_bytes: int = 0
     host_start_ns: int = 0
     host_end_ns: int = 0
+    #: how long the program's thread waited, before ``start_ns``, for what the action consumes (its received
+    #: messages and gathered parameters), host clock; 0 where it waited for nothing
+    wait_ns: int = 0
+    #: page faults (minor) the process took during the action's work (its allocations touching fresh memory)
+    minor_faults: int = 0
 
 
 @dataclass(frozen=True)
@@ -352,7 +369,18 @@ class StepTimeline:
             "plan_switches": self.plan_switches,
             "checkpoint": self.checkpoint,
             "records": [
-                [r.action, r.stream, r.start_ns, r.end_ns, r.held_bytes, r.rss_bytes, r.host_start_ns, r.host_end_ns]
+                [
+                    r.action,
+                    r.stream,
+                    r.start_ns,
+                    r.end_ns,
+                    r.held_bytes,
+                    r.rss_bytes,
+                    r.host_start_ns,
+                    r.host_end_ns,
+                    r.wait_ns,
+                    r.minor_faults,
+                ]
                 for r in self.records
             ],
         }
@@ -389,6 +417,8 @@ class RunResult:
     channels: dict[int, dict[str, list[int]]] = field(default_factory=dict)
     #: rank -> the cores it ran on (one each when pinned)
     cores: dict[int, list[int]] = field(default_factory=dict)
+    #: rank -> what its host allocator policy did (``transform.HostMemoryState.as_json``)
+    host_memory: dict[int, dict[str, object]] = field(default_factory=dict)
     #: rank -> the numerics guard's figures (reference and pipelined loss, seconds) for a whole-model capture
     numerics: dict[int, dict[str, float]] = field(default_factory=dict)
     #: rank -> each copy it holds of a tied parameter: first-step gradient and (``keep_params``) final value

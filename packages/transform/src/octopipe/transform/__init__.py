@@ -30,6 +30,13 @@ from octopipe.transform.executable import ForwardContext, StageExecutable, Weigh
 from octopipe.transform.fsdp import ShardConfig, ShardSpec, shard_parameters, shard_specs, unshard_tensor
 from octopipe.transform.fsdp_bucket import BucketPolicy, bucket_collectives, count_collectives
 from octopipe.transform.fsdp_split import NOT_HANDLED, FSDPGraphs, FSDPStage, ParamChain, split_fsdp
+from octopipe.transform.host_memory import (
+    HOST_MEMORY_POLICIES,
+    HostMemory,
+    HostMemoryState,
+    configure_host_memory,
+    host_memory_policy,
+)
 from octopipe.transform.inductor import (
     BACKENDS,
     COMPILED_TOLERANCE,
@@ -63,6 +70,7 @@ __all__ = [
     "BACKENDS",
     "COMPILED_TOLERANCE",
     "CPU",
+    "HOST_MEMORY_POLICIES",
     "NOT_HANDLED",
     "AllocatorPeak",
     "BWSplit",
@@ -80,6 +88,8 @@ __all__ = [
     "FSDPStage",
     "ForwardContext",
     "GpuInfo",
+    "HostMemory",
+    "HostMemoryState",
     "Multiplexed",
     "OverlapReport",
     "OverlapResult",
@@ -103,12 +113,14 @@ __all__ = [
     "compile_stage",
     "compile_stage_graphs",
     "compiled_tolerance",
+    "configure_host_memory",
     "copy_to_tp",
     "count_collectives",
     "format_profile",
     "gather_sequence",
     "gather_tp",
     "graph_flops",
+    "host_memory_policy",
     "measure_compute_us",
     "multiplex",
     "profile_costs",

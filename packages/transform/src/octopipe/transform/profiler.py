@@ -30,6 +30,7 @@ from octopipe.profile.v1 import profile_pb2
 from octopipe.transform.compiler import StageCompiler
 from octopipe.transform.device import CPU, Device
 from octopipe.transform.executable import StageExecutable
+from octopipe.transform.host_memory import HostMemory, configure_host_memory, host_memory_policy
 
 __all__ = ["ProfilerConfig", "format_profile", "profile_layers", "profile_stages", "storage_bytes"]
 
@@ -41,16 +42,21 @@ _MASTER_BYTES = 4
 @dataclass(kw_only=True, frozen=True)
 class ProfilerConfig:
     """How to profile. ``optimizer_state_factor``: optimizer state bytes per float32 weight byte (AdamW: 2).
-    ``device``: where the model and inputs are, and so what times and meters the graphs."""
+    ``device``: where the model and inputs are, and so what times and meters the graphs. ``host_memory``:
+    the C allocator policy the layers are timed under (``transform.host_memory``; the profiler applies it to
+    this process, as the runtime applies it to every rank, and the Profile's ``host_memory`` label says
+    whether it took effect)."""
 
     repeats: int = 5
     warmup: int = 2
     optimizer_state_factor: float = 2.0
     device: Device = CPU
+    host_memory: HostMemory = "reuse"
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {self.repeats} and {self.warmup}")
+        host_memory_policy(self.host_memory)
 
 
 def storage_bytes(tensors: Iterable[object], *, exclude: Iterable[torch.Tensor] = ()) -> int:
@@ -173,6 +179,9 @@ def _new_profile(
     profile.labels["threads"] = str(torch.get_num_threads())
     profile.labels["repeats"] = str(config.repeats)
     profile.labels["timing"] = config.device.timing
+    memory = configure_host_memory(config.host_memory)  # the allocator the runtime's ranks run with
+    applied = memory.applied or memory.policy == "system"
+    profile.labels["host_memory"] = memory.policy if applied else f"{memory.policy} (not applied: {memory.reason})"
     profile.links.extend(links)
     return profile
 

@@ -36,6 +36,8 @@ compiler; here those are assertions, not checks.
 from __future__ import annotations
 
 import os
+import resource
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -61,7 +63,7 @@ from octopipe.transform import (
     storage_bytes,
 )
 
-__all__ = ["ActionRecord", "RankRuntime", "ShardedStage", "StepFailure", "rss_bytes"]
+__all__ = ["ActionRecord", "RankRuntime", "ShardedStage", "StepFailure", "minor_faults", "rss_bytes"]
 
 
 class ShardedStage(Protocol):
@@ -93,6 +95,11 @@ class ShardedStage(Protocol):
 
 class StepFailure(RuntimeError):
     """An action failed; the message names the rank, step and action."""
+
+
+def minor_faults() -> int:
+    """Minor page faults this process has taken so far (``getrusage``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def rss_bytes() -> int:
@@ -281,19 +288,34 @@ class RankRuntime:
         codes = self.program.codes[self.rank]
         for index, action in enumerate(self.actions):
             try:
+                waited = time.perf_counter_ns() if on_action is not None else 0
                 if codes[index] <= OVERLAP:  # a computation first waits for the transfers and gathers it consumes
                     for transfer in self.program.transfers_waited(self.rank, index):
                         self.channels.wait(transfer, f"rank {self.rank}, step {step} ({action})")
                     for part in action.computations:
                         if part.stage in self._gathering:
                             self._exe(part.stage)
+                faults = minor_faults() if on_action is not None else 0
                 start = watch.mark() if on_action is not None else 0  # the action's own work starts here
                 self._run(index, action, state, microbatches)
                 if on_action is not None:
                     end = watch.mark()
+                    faults = minor_faults() - faults
                     self.action_marks.append((len(watch.host) - 2, len(watch.host) - 1))
                     stream = stream_of(codes[index])
-                    on_action(ActionRecord(str(action), stream, start, end, state.held_bytes(), rss_bytes()))
+                    held = state.held_bytes()
+                    on_action(
+                        ActionRecord(
+                            str(action),
+                            stream,
+                            start,
+                            end,
+                            held,
+                            rss_bytes(),
+                            wait_ns=start - waited,
+                            minor_faults=faults,
+                        )
+                    )
             except Exception as exc:
                 raise StepFailure(f"rank {self.rank}, step {step}, action {index} ({action}): {exc}") from exc
         self.channels.finish(f"rank {self.rank}, step {step}, end of step")

@@ -174,6 +174,8 @@ def merge_results(
             result.timelines[int(entry["rank"])] = [StepTimeline.from_dict(t) for t in entry["timelines"]]
             result.channels[int(entry["rank"])] = entry["channels"]
             result.cores[int(entry["rank"])] = list(entry["cores"])
+            if entry.get("host_memory") is not None:
+                result.host_memory[int(entry["rank"])] = dict(entry["host_memory"])
             if entry.get("numerics") is not None:
                 result.numerics[int(entry["rank"])] = dict(entry["numerics"])
             if entry.get("tied_grads") or entry.get("tied_params"):

@@ -59,7 +59,7 @@ from octopipe.execute.runtime.stages import rank_stages, split_batch
 from octopipe.execute.runtime.whole_model import buffer_specs, guard, guard_stages, reduce_tied, tied_indices
 from octopipe.ir import Program, compile_plan, stage_ranks
 from octopipe.plan.v1 import plan_pb2
-from octopipe.transform import Device, StageCompiler, StageExecutable, graph_flops
+from octopipe.transform import Device, StageCompiler, StageExecutable, configure_host_memory, graph_flops
 from octopipe.transform.inductor import compiled_tolerance, stage_backend
 
 __all__ = ["StepEvents", "publish_plan", "worker_main"]
@@ -102,6 +102,7 @@ def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
         if warning:
             structlog.get_logger("octopipe.worker").warning("rank_pinning", rank=rank, problem=warning)
     torch.set_num_threads(1)
+    memory = configure_host_memory(config.host_memory)  # before the rank allocates its model (transform.host_memory)
     device = Device.parse(config.device)
     if config.deterministic:
         device.make_deterministic()
@@ -123,6 +124,7 @@ def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
         result = _run(config, store, events, device)
         for entry in result:
             entry["cores"] = cores  # where this rank ran, for every benchmark's record
+            entry["host_memory"] = memory.as_json()
         dist.destroy_process_group()  # not after a failure: a channel thread may still wait inside gloo
         torch.save(result, out / f"rank{rank}.pt")
     except BaseException as exc:
