@@ -58,6 +58,13 @@ def all_metrics(client: ControlClient, run_id: str) -> list[node_pb2.StepMetrics
         time.sleep(0.1)
 
 
+def wait_for_file(path: Path, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s} s"
+        time.sleep(0.02)
+
+
 def check_recovered(run: coordinator_pb2.Run, clean: coordinator_pb2.Run) -> None:
     assert run.state == node_pb2.RUN_STATE_DONE, run.error
     assert run.completed_steps == STEPS and list(run.rank_nodes) == ["node0"]
@@ -96,6 +103,10 @@ def killed_and_healed(tmp_path: Path, profile: profile_pb2.Profile, *, restart: 
             assert clean.state == node_pb2.RUN_STATE_DONE, clean.error
             run_id = client.submit(plan, run_id="killed", **options)  # type: ignore[arg-type]
             wait_for_step(client, run_id, 1)  # killed early: a tiny step takes tens of ms
+            # and after a checkpoint is committed (asynchronous ones commit a moment after their step), so the
+            # recovery has one to resume from, whatever the timing
+            committed = running.coordinator.config.state_dir / "checkpoints" / "killed" / "step-1" / ".metadata"
+            wait_for_file(committed)
             pids = running.rank_pids("node1")
             second.kill()
             second.wait(timeout=10)

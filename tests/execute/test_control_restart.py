@@ -17,6 +17,10 @@ from tests.execute.control_cluster import llama_plan
 pytestmark = pytest.mark.slow
 
 
+def steps_reported(client: ControlClient, run_id: str, rank: int) -> int:
+    return len({m.step for m in client.metrics(run_id, follow=False) if m.rank == rank})
+
+
 def test_a_restarted_coordinator_keeps_its_runs_and_reattaches_a_running_one(tmp_path: Path) -> None:
     make_certs(tmp_path / "certs", nodes=["node0"])
     port = free_port()
@@ -38,7 +42,9 @@ def test_a_restarted_coordinator_keeps_its_runs_and_reattaches_a_running_one(tmp
         with ControlClient(coordinator.address, tmp_path / "certs") as client:
             finished = client.submit(llama_plan(2, 2), steps=1, run_id="finished")
             assert client.wait(finished, timeout_s=120).state == node_pb2.RUN_STATE_DONE
-            long_run = client.submit(llama_plan(2, 4), steps=12, run_id="long")
+            # far more steps than it will run (the test cancels it): it cannot end while the coordinator is down,
+            # however fast its steps
+            long_run = client.submit(llama_plan(2, 4), steps=100_000, run_id="long")
             for run in client.watch(long_run, timeout_s=120):
                 if run.completed_steps >= 1:
                     break
@@ -48,15 +54,24 @@ def test_a_restarted_coordinator_keeps_its_runs_and_reattaches_a_running_one(tmp
             runs = {run.run_id: run for run in client.runs()}
             assert runs["finished"].state == node_pb2.RUN_STATE_DONE
             assert runs["long"].state == node_pb2.RUN_STATE_RUNNING
-            run = client.wait("long", timeout_s=180)
-            assert run.state == node_pb2.RUN_STATE_DONE, run.error
-            assert run.completed_steps == 12
-            # the metrics stream after the restart: those from before it (from the state folder), then the rest
-            # (the node's stream followed again; what it replays is not kept twice)
-            deadline = time.monotonic() + 10
-            while len(seen := [(m.rank, m.step) for m in client.metrics("long")]) < 24 and time.monotonic() < deadline:
+            before = runs["long"].completed_steps
+            # re-attached: steps go on, and their metrics reach the restarted coordinator's stream
+            deadline = time.monotonic() + 180
+            while min(steps_reported(client, "long", rank) for rank in range(2)) < before + 5:
+                assert time.monotonic() < deadline, f"no metrics past step {before + 5} within 180 s"
+                assert client.run("long").state == node_pb2.RUN_STATE_RUNNING, client.run("long").error
                 time.sleep(0.1)
-            assert sorted(seen) == [(rank, step) for rank in range(2) for step in range(12)]
+            client.cancel("long", reason="enough steps")
+            run = client.wait("long", timeout_s=60)
+            assert run.state == node_pb2.RUN_STATE_CANCELLED, run.error
+            # the metrics stream after the restart: those from before it (from the state folder), then the rest
+            # (the node's stream followed again; what it replays is not kept twice): every rank's steps 0, 1, ...
+            # with no gap and no repeat, past where the restart happened
+            seen = [(m.rank, m.step) for m in client.metrics("long")]
+            assert len(seen) == len(set(seen))
+            for rank in range(2):
+                steps = sorted(step for r, step in seen if r == rank)
+                assert steps == list(range(len(steps))) and len(steps) >= before + 5, (rank, steps, before)
     finally:
         node.stop()
         coordinator.stop()

@@ -75,6 +75,10 @@ def test_readme_run_command(tmp_path: Path) -> None:
     assert tuned["predicted_step_ms"] == pytest.approx(predicted["tuned"]["step_time_us"] / 1e3)
     assert baseline["predicted_step_ms"] == pytest.approx(predicted["baseline_1f1b_equal"]["step_time_us"] / 1e3)
     assert summary["losses_equal"], "the tuned plan and 1F1B must give the same losses (same model, same data)"
+    # compiled stages are the default where the compile cache is warm; this test's is cold, and a line says so
+    assert summary["compile"] == "auto" and summary["stage_backends"], summary["stage_backends"]
+    assert all("as captured (compile cache cold" in note for note in summary["stage_backends"].values())
+    assert "stage graphs (--compile auto): stage 0: as captured" in " ".join(stdout.split())
     assert all(m > 0 for m in tuned["measured_peak_activation_bytes"])
 
     # the trace: valid JSON, simulated and measured ranks side by side, each with its actions

@@ -21,9 +21,10 @@ from tests.execute.test_mesh_runtime import assert_matches_reference
 DP, M = 2, 4
 
 
-# extended: its last assertion (in at least one of 6 rank-steps the whole gather finished inside the forward)
-# is a timing observation, not a property; on 2 busy cores it failed 1 run in 3 (2026-12-02, quiet machine and
-# CI). To fix: make it structural or give the forward a known length. The per-step order assertions are exact.
+# Every assertion is about order on the recorded timeline (what waited for what, what was posted and started
+# before what ended). How much of a gather the forward hides is a duration, measured by bench/fsdp_overlap.py,
+# not asserted here (an earlier "the whole gather finished inside the forward in some step" failed 1 run in 3
+# on 2 busy cores).
 @pytest.mark.slow
 @pytest.mark.extended
 def test_the_next_stages_gather_runs_while_this_stage_computes_and_the_run_equals_the_reference() -> None:
@@ -39,7 +40,6 @@ def test_the_next_stages_gather_runs_while_this_stage_computes_and_the_run_equal
     )
     assert_matches_reference([plan], [run], dp=DP, m=M)
     actions = [str(a) for a in rank_actions(plan)[0]]
-    overlapped = 0
     for rank, steps in run.timelines.items():
         for step in steps:
             at = {r.action: r for r in step.records}
@@ -54,6 +54,3 @@ def test_the_next_stages_gather_runs_while_this_stage_computes_and_the_run_equal
             after = actions[actions.index("1REDUCE_GRAD") + 1]
             assert after.startswith("0B"), actions
             assert at["1REDUCE_GRAD"].start_ns < at[after].end_ns, (rank, step.step)
-            overlapped += second.end_ns <= forward.end_ns
-    # a step where the whole gather ran inside the forward (on 2 busy cores a peer can be late in one step)
-    assert overlapped >= 1, "stage 1's gather never completed while stage 0 computed"

@@ -69,6 +69,9 @@ def test_a_config_trains_as_the_python_api_does(tmp_path: Path, capsys: pytest.C
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and summary["steps"] == 3
+    # [run] compile defaults to auto: this test's compile index is cold, so both stages ran as captured (bitwise)
+    assert summary["compile"] == "auto" and sorted(summary["stage_backends"]) == ["0", "1"]
+    assert all("as captured (compile cache cold" in note for note in summary["stage_backends"].values())
     assert all(r["step_ms"] > 0 and r["tokens_per_s"] == pytest.approx(4 * 16 / (r["step_ms"] / 1e3)) for r in rows)
     loaded = load_train_config(config)
     model = loaded.section("model")

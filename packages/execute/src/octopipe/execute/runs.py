@@ -55,7 +55,7 @@ PLAN_KEY = "octopipe/plan"
 
 
 #: how a run's stage graphs run (``transform.inductor.BACKENDS``; kept here so the control plane needs no torch)
-STAGE_BACKENDS = ("eager", "inductor")
+STAGE_BACKENDS = ("eager", "inductor", "auto")
 #: how a rank's C allocator keeps freed host memory (``transform.host_memory.HOST_MEMORY_POLICIES``; kept here
 #: for the same reason)
 HOST_MEMORY_POLICIES = ("reuse", "system")
@@ -87,8 +87,12 @@ class RunOptions:
     default AdamW at 1e-3). ``data``: batches from text files (``training.DataSpec``) instead of the
     model's own. ``weights``: initial weights read stage by stage from a checkpoint folder, and where the
     trained weights are exported (``training.WeightsSpec``). ``compile``: ``eager`` runs the split graphs
-    as captured; ``inductor`` compiles each stage's F, B, I and W graphs (``transform.inductor``), and
-    ``compile_fallback`` lets a graph that fails to compile run eagerly instead of failing the run.
+    as captured; ``inductor`` compiles each stage's F, B, I and W graphs (``transform.inductor``) and
+    records in the compile index which ran faster; ``auto`` (the CLI's default) compiles a stage's graphs
+    only where that index has seen them all (Inductor's cache is warm) and only those that ran faster
+    (``transform.compile_cache``), else runs them as captured; ``compile_fallback`` lets a graph that fails
+    to compile run eagerly instead of failing the run (always so under ``auto``). ``RunResult.stage_backends``
+    says what ran.
     ``host_memory``: ``reuse`` (default) makes each CPU rank's C allocator keep freed blocks for reuse instead
     of mapping fresh, page-faulting memory for every activation (``transform.host_memory``); ``system``
     leaves the C library's defaults.
@@ -315,6 +319,8 @@ class StepTimeline:
     #: synchronous checkpoints; with asynchronous ones still being written (committed once a later step, or
     #: the run's end, has waited for it)
     checkpoint: int | None = None
+    #: on a launch's first step: which of this rank's stages' graphs ran compiled, one line per stage
+    stage_backends: tuple[str, ...] = ()
 
     @property
     def peak_held_bytes(self) -> int:
@@ -368,6 +374,7 @@ class StepTimeline:
             "loss": self.loss,
             "plan_switches": self.plan_switches,
             "checkpoint": self.checkpoint,
+            "stage_backends": list(self.stage_backends),
             "records": [
                 [
                     r.action,
@@ -397,6 +404,7 @@ class StepTimeline:
             loss=data["loss"],
             plan_switches=int(data["plan_switches"]),
             checkpoint=data["checkpoint"],
+            stage_backends=tuple(data.get("stage_backends", ())),
         )
 
 
@@ -419,6 +427,8 @@ class RunResult:
     cores: dict[int, list[int]] = field(default_factory=dict)
     #: rank -> what its host allocator policy did (``transform.HostMemoryState.as_json``)
     host_memory: dict[int, dict[str, object]] = field(default_factory=dict)
+    #: stage -> what ran compiled, one line (``compile`` inductor or auto; empty for eager)
+    stage_backends: dict[int, str] = field(default_factory=dict)
     #: rank -> the numerics guard's figures (reference and pipelined loss, seconds) for a whole-model capture
     numerics: dict[int, dict[str, float]] = field(default_factory=dict)
     #: rank -> each copy it holds of a tied parameter: first-step gradient and (``keep_params``) final value

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from octopipe.execute.runs import STAGE_BACKENDS
 from octopipe.execute.training import DataSpec, Optimization
 
 __all__ = ["KEYS", "TrainConfig", "keys_help", "load_train_config"]
@@ -95,6 +96,11 @@ KEYS: dict[str, dict[str, tuple[type, Any, str]]] = {
         "checkpoint_async": (bool, False, "write checkpoints in the background while the next steps run"),
         "checkpoint_keep": (int, 0, "keep only the newest this many checkpoints; 0: all"),
         "timeout_s": (float, 120.0, "seconds any rank may wait for a message"),
+        "compile": (
+            str,
+            "auto",
+            "stage graphs: auto (compiled where the compile cache is warm and faster), inductor, or eager (bitwise)",
+        ),
     },
 }
 
@@ -200,6 +206,8 @@ def load_train_config(path: Path | None) -> TrainConfig:
     betas = values["optimizer"]["betas"]
     if len(betas) != 2 or not all(isinstance(b, int | float) and not isinstance(b, bool) for b in betas):
         raise ValueError(f"[optimizer] betas must be two numbers, got {betas!r}")
+    if values["run"]["compile"] not in STAGE_BACKENDS:
+        raise ValueError(f"[run] compile must be one of {', '.join(STAGE_BACKENDS)}, got {values['run']['compile']!r}")
     if not all(isinstance(f, str) for f in values["data"]["files"]):
         raise ValueError(f"[data] files must be a list of paths, got {values['data']['files']!r}")
     config = TrainConfig(values, source=str(path) if path is not None else "the embedded default")

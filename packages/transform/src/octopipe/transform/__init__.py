@@ -14,6 +14,13 @@ from importlib.metadata import PackageNotFoundError, version
 
 from octopipe.transform.allocator import AllocatorPeak, CudaAllocatorPeak
 from octopipe.transform.bw_split import BWSplit, split_backward
+from octopipe.transform.compile_cache import (
+    CompileIndex,
+    GraphTiming,
+    default_compile_root,
+    graph_key,
+    use_compile_cache_dirs,
+)
 from octopipe.transform.compiler import BackwardKind, CompiledStage, StageCompiler, compile_fsdp_stage, compile_stage
 from octopipe.transform.costs import (
     CostModel,
@@ -48,7 +55,14 @@ from octopipe.transform.inductor import (
 )
 from octopipe.transform.multiplexing import CommOverlap, Multiplexed, OverlapReport, Simulation, multiplex, simulate
 from octopipe.transform.overlap import OverlapResult, OverlapStage
-from octopipe.transform.profiler import ProfilerConfig, format_profile, profile_layers, profile_stages, storage_bytes
+from octopipe.transform.profiler import (
+    ProfilerConfig,
+    format_profile,
+    profile_layers,
+    profile_stages,
+    storage_bytes,
+    storage_pointers,
+)
 from octopipe.transform.tensor_parallel import (
     TPSpec,
     all_reduce_tp,
@@ -79,6 +93,7 @@ __all__ = [
     "BucketPolicy",
     "CommOverlap",
     "CompileError",
+    "CompileIndex",
     "CompiledStage",
     "CostModel",
     "CudaAllocatorPeak",
@@ -88,6 +103,7 @@ __all__ = [
     "FSDPStage",
     "ForwardContext",
     "GpuInfo",
+    "GraphTiming",
     "HostMemory",
     "HostMemoryState",
     "Multiplexed",
@@ -116,10 +132,12 @@ __all__ = [
     "configure_host_memory",
     "copy_to_tp",
     "count_collectives",
+    "default_compile_root",
     "format_profile",
     "gather_sequence",
     "gather_tp",
     "graph_flops",
+    "graph_key",
     "host_memory_policy",
     "measure_compute_us",
     "multiplex",
@@ -138,7 +156,9 @@ __all__ = [
     "split_fsdp",
     "stage_backend",
     "storage_bytes",
+    "storage_pointers",
     "table_costs",
     "unshard_tensor",
+    "use_compile_cache_dirs",
     "visible_gpus",
 ]

@@ -25,12 +25,13 @@ from torch import nn
 
 from octopipe.capture import CaptureConfig, StageGraphs, capture_stage
 from octopipe.transform.bw_split import BWSplit, split_backward
+from octopipe.transform.compile_cache import CompileIndex
 from octopipe.transform.costs import roofline_costs
 from octopipe.transform.executable import StageExecutable
 from octopipe.transform.fsdp import shard_specs
 from octopipe.transform.fsdp_bucket import BucketPolicy, bucket_collectives
 from octopipe.transform.fsdp_split import FSDPGraphs, FSDPStage, split_fsdp
-from octopipe.transform.inductor import Backend, CompileError, compile_graph, compile_stage_graphs
+from octopipe.transform.inductor import Backend, CompileError, auto_stage_graphs, compile_graph, compile_stage_graphs
 from octopipe.transform.multiplexing import Multiplexed, multiplex
 from octopipe.transform.overlap import OverlapStage
 
@@ -85,10 +86,17 @@ class StageCompiler:
     #: how a sharded stage's collectives are bucketed (default: one all-gather and one reduce-scatter per stage)
     buckets: BucketPolicy = field(default_factory=BucketPolicy)
     #: ``inductor``: each stage's F, B, I and W graphs, and each multiplexed OVERLAP_F_B graph, compiled
-    #: (``transform.inductor``); ``fallback``: a graph that fails to compile runs eagerly (with a warning)
-    #: instead of raising CompileError
+    #: (``transform.inductor``), each compiled graph's times recorded in ``index``; ``auto``: a stage's graphs
+    #: compiled only where ``index`` has seen all of them and only those that ran faster compiled
+    #: (``transform.compile_cache``; multiplexed graphs stay as captured); ``fallback``: a graph that fails to
+    #: compile runs eagerly (with a warning) instead of raising CompileError (always so under ``auto``)
     backend: Backend = "eager"
     fallback: bool = False
+    index: CompileIndex = field(default_factory=CompileIndex)
+    #: stage index -> one line saying what runs compiled (``inductor`` and ``auto``), for the run's report
+    notes: dict[int, str] = field(default_factory=dict)
+    #: the stages with at least one graph compiled (their results agree with eager to rounding, not bitwise)
+    compiled_stages: set[int] = field(default_factory=set)
     _stages: dict[Hashable, CompiledStage] = field(default_factory=dict, repr=False)
     _multiplexed: dict[tuple[int, int, str], tuple[StageGraphs, StageGraphs, Multiplexed]] = field(
         default_factory=dict, repr=False
@@ -125,8 +133,19 @@ class StageCompiler:
         runs = fsdp.stage if fsdp is not None else graphs
         split = split_backward(runs.backward, num_params=runs.num_params, num_inputs=runs.num_inputs)
         if self.backend == "inductor":
-            runs, split = compile_stage_graphs(runs, split, stage_index=stage_index, fallback=self.fallback)
-            fsdp = dataclasses.replace(fsdp, stage=runs) if fsdp is not None else None
+            runs, split = compile_stage_graphs(
+                runs, split, stage_index=stage_index, fallback=self.fallback, index=self.index
+            )
+            self.notes[stage_index] = f"stage {stage_index}: compiled (Inductor)"
+            self.compiled_stages.add(stage_index)
+        elif self.backend == "auto":
+            runs, split, self.notes[stage_index], count = auto_stage_graphs(
+                runs, split, stage_index=stage_index, index=self.index
+            )
+            if count:
+                self.compiled_stages.add(stage_index)
+        if fsdp is not None:
+            fsdp = dataclasses.replace(fsdp, stage=runs)
         compiled = CompiledStage(graphs=runs, split=split, fsdp=fsdp)
         if cache_key is not None:
             self._stages[cache_key] = compiled

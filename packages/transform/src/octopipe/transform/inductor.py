@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal
@@ -44,12 +45,14 @@ from torch import fx
 from octopipe.capture import StageGraphs
 from octopipe.transform.bw_split import BWSplit, _subgraph  # a run of nodes as a graph, as the B/W split cuts one
 from octopipe.transform.collectives import is_collective, is_wait
+from octopipe.transform.compile_cache import CompileIndex, GraphTiming, graph_key, time_graphs
 
 __all__ = [
     "BACKENDS",
     "COMPILED_TOLERANCE",
     "Backend",
     "CompileError",
+    "auto_stage_graphs",
     "compile_graph",
     "compile_segments",
     "compile_stage_graphs",
@@ -57,9 +60,10 @@ __all__ = [
     "stage_backend",
 ]
 
-Backend = Literal["eager", "inductor"]
-#: the stage backends a run may name
-BACKENDS: tuple[Backend, ...] = ("eager", "inductor")
+Backend = Literal["eager", "inductor", "auto"]
+#: the stage backends a run may name: as captured, compiled, or compiled where the compile cache says it is
+#: warm and faster (``compile_cache``)
+BACKENDS: tuple[Backend, ...] = ("eager", "inductor", "auto")
 
 
 #: how far a compiled graph's results may be from its eager graph's, by dtype: (atol, rtol), torch.testing's
@@ -293,31 +297,98 @@ def compile_segments(graph: fx.GraphModule, what: str) -> fx.GraphModule:
     return module
 
 
+def _examples(graph: fx.GraphModule) -> list[Any]:
+    return [_example(n.meta.get("val"), n.name) for n in graph.graph.nodes if n.op == "placeholder"]
+
+
+#: a stage's four graphs, by the names the notes and errors use
+_GRAPH_NAMES = ("F", "B (fused backward)", "I (input gradient)", "W (weight gradient)")
+
+
+def _stage_parts(graphs: StageGraphs, split: BWSplit) -> list[fx.GraphModule]:
+    return [graphs.forward, graphs.backward, split.backward_input, split.backward_weight]
+
+
+def _rebuild(graphs: StageGraphs, split: BWSplit, parts: list[fx.GraphModule]) -> tuple[StageGraphs, BWSplit]:
+    forward, backward, backward_input, backward_weight = parts
+    return (
+        dataclasses.replace(graphs, forward=forward, backward=backward),
+        dataclasses.replace(split, backward_input=backward_input, backward_weight=backward_weight),
+    )
+
+
 def compile_stage_graphs(
-    graphs: StageGraphs, split: BWSplit, *, stage_index: int, fallback: bool = False
+    graphs: StageGraphs,
+    split: BWSplit,
+    *,
+    stage_index: int,
+    fallback: bool = False,
+    index: CompileIndex | None = None,
 ) -> tuple[StageGraphs, BWSplit]:
     """F, the fused backward, I and W of one stage compiled by Inductor (see the module doc).
 
     A graph that fails raises :class:`CompileError` naming the stage and graph; with ``fallback`` it
-    stays eager instead (and a warning says which).
+    stays eager instead (and a warning says which). With ``index``, each compiled graph's compile time
+    and its compiled and eager times on the example inputs are recorded there (``compile_cache``), so
+    ``backend="auto"`` can use it later.
     """
     import warnings  # noqa: PLC0415
 
     def one(graph: fx.GraphModule, name: str) -> fx.GraphModule:
+        what = f"stage {stage_index}, graph {name}"
+        started = time.monotonic()
         try:
-            return compile_graph(graph, f"stage {stage_index}, graph {name}")
+            compiled = compile_graph(graph, what)
         except CompileError as exc:
             if not fallback:
                 raise
             warnings.warn(f"{exc}; running it eagerly (fallback asked for)", stacklevel=3)
             return graph
+        # a graph with collectives is never timed here (running it alone would post collectives its peers do
+        # not): it stays out of the index, so ``auto`` runs its stage as captured
+        if index is not None and not any(_communicates(node) for node in graph.graph.nodes):
+            seconds = time.monotonic() - started
+            eager_us, compiled_us = time_graphs(graph, compiled, _examples(graph))
+            index.put(graph_key(graph), GraphTiming(what, eager_us, compiled_us, seconds, torch.__version__))
+        return compiled
 
-    compiled_graphs = dataclasses.replace(
-        graphs, forward=one(graphs.forward, "F"), backward=one(graphs.backward, "B (fused backward)")
-    )
-    compiled_split = dataclasses.replace(
-        split,
-        backward_input=one(split.backward_input, "I (input gradient)"),
-        backward_weight=one(split.backward_weight, "W (weight gradient)"),
-    )
-    return compiled_graphs, compiled_split
+    parts = [one(graph, name) for graph, name in zip(_stage_parts(graphs, split), _GRAPH_NAMES, strict=True)]
+    return _rebuild(graphs, split, parts)
+
+
+def auto_stage_graphs(
+    graphs: StageGraphs, split: BWSplit, *, stage_index: int, index: CompileIndex
+) -> tuple[StageGraphs, BWSplit, str, int]:
+    """``backend="auto"``: the stage's graphs compiled where ``index`` has seen all four before (Inductor's
+    cache is warm) and only those that ran faster compiled; otherwise as captured. A graph that fails to
+    compile runs eagerly with a warning naming it. Returns the graphs, one line saying what runs, and how
+    many graphs run compiled."""
+    import warnings  # noqa: PLC0415
+
+    parts = _stage_parts(graphs, split)
+    timings = [index.get(graph_key(graph)) for graph in parts]
+    unseen = sum(t is None for t in timings)
+    if unseen:
+        return graphs, split, f"stage {stage_index}: as captured (compile cache cold: {unseen} of 4 graphs unseen)", 0
+    chosen, compiled_names, slower, failed = [], [], [], []
+    for graph, name, timing in zip(parts, _GRAPH_NAMES, timings, strict=True):
+        assert timing is not None
+        short = name.split(" ")[0]
+        if not timing.faster:
+            chosen.append(graph)
+            slower.append(short)
+            continue
+        try:
+            chosen.append(compile_graph(graph, f"stage {stage_index}, graph {name}"))
+            compiled_names.append(short)
+        except CompileError as exc:
+            warnings.warn(f"{exc}; running it eagerly (compile auto)", stacklevel=3)
+            chosen.append(graph)
+            failed.append(short)
+    graphs, split = _rebuild(graphs, split, chosen)
+    note = f"stage {stage_index}: compiled {', '.join(compiled_names) or 'nothing'}"
+    if slower:
+        note += f"; as captured (faster so): {', '.join(slower)}"
+    if failed:
+        note += f"; as captured (failed to compile): {', '.join(failed)}"
+    return graphs, split, note, len(compiled_names)

@@ -32,7 +32,7 @@ from octopipe.transform.device import CPU, Device
 from octopipe.transform.executable import StageExecutable
 from octopipe.transform.host_memory import HostMemory, configure_host_memory, host_memory_policy
 
-__all__ = ["ProfilerConfig", "format_profile", "profile_layers", "profile_stages", "storage_bytes"]
+__all__ = ["ProfilerConfig", "format_profile", "profile_layers", "profile_stages", "storage_bytes", "storage_pointers"]
 
 
 #: bytes per element of what gradients accumulate in and the optimizer steps (float32)
@@ -59,9 +59,15 @@ class ProfilerConfig:
         host_memory_policy(self.host_memory)
 
 
-def storage_bytes(tensors: Iterable[object], *, exclude: Iterable[torch.Tensor] = ()) -> int:
-    """Bytes of the distinct storages behind ``tensors``, leaving out those of ``exclude``."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
+def storage_pointers(tensors: Iterable[torch.Tensor]) -> set[int]:
+    """The data pointers of ``tensors``' storages: an ``exclude`` for :func:`storage_bytes`, made once."""
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def storage_bytes(tensors: Iterable[object], *, exclude: Iterable[torch.Tensor] | set[int] = ()) -> int:
+    """Bytes of the distinct storages behind ``tensors``, leaving out those of ``exclude`` (tensors, or their
+    :func:`storage_pointers` when the same ones are left out again and again)."""
+    skip = exclude if isinstance(exclude, set) else storage_pointers(exclude)
     seen: dict[int, int] = {}
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor):

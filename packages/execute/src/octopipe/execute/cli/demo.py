@@ -27,8 +27,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from octopipe.execute.cli.compiling import add_compile_argument, compile_line
 from octopipe.execute.cli.jsonout import dumps, estimate_json, print_json
 from octopipe.execute.cli.profile import save_profile
+from octopipe.execute.runs import STAGE_BACKENDS
 from octopipe.ir import format_grid, mesh_spec, plan_to_text, plan_to_torch_csv, rank_actions, save_plan
 from octopipe.simulate import local_cost_model, plot_timeline, verify_plan
 from octopipe.tune import ScheduleRegistry, TuneConfig
@@ -66,12 +68,16 @@ class DemoConfig:
     timeout_s: float = 300.0
     pin_cores: bool = True
     out: Path = Path("out/demo")
+    #: how the stage graphs run (``RunOptions.compile``): auto, inductor or eager
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         if self.size not in SIZES:
             raise ValueError(f"--size {self.size!r}: choose one of {', '.join(SIZES)}")
         if self.ranks < 2 or self.microbatches < self.ranks:
             raise ValueError(f"use --ranks >= 2 and --microbatches >= --ranks (got {self.ranks}, {self.microbatches})")
+        if self.compile not in STAGE_BACKENDS:
+            raise ValueError(f"--compile {self.compile!r}: choose one of {', '.join(STAGE_BACKENDS)}")
         if self.steps < 2 or self.rounds < 1:
             raise ValueError(
                 f"use --steps >= 2 (the first is warm-up) and --rounds >= 1 (got {self.steps}, {self.rounds})"
@@ -103,6 +109,7 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
         help="the predicted gain a plan needs over a simpler one (default 0.05, the simulator's error)",
     )
     parser.add_argument("--no-pin", action="store_true", help="do not pin each rank to its own core")
+    add_compile_argument(parser)
     parser.add_argument("--out", type=Path, default=Path("out/demo"), help="where to write plans, trace, PNG")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON (no tables, no progress)")
     parser.add_argument("--verbose", action="store_true", help="also show the log events")
@@ -120,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         min_gain=args.min_gain,
         pin_cores=not args.no_pin,
         out=args.out,
+        compile=args.compile,
     )
     if not args.verbose:
         logging.getLogger().setLevel(logging.WARNING)  # the progress bars say what happens
@@ -129,7 +137,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_plans(plans: Sequence[plan_pb2.Plan], steps: int, *, timeout_s: float, pin_cores: bool) -> list[RunResult]:
+def _run_plans(
+    plans: Sequence[plan_pb2.Plan], steps: int, *, timeout_s: float, pin_cores: bool, compile: str
+) -> list[RunResult]:
     """Run every plan for ``steps`` steps on local CPU ranks, one after the other; one result per plan.
 
     The plans go through an embedded control plane, the same code as a cluster: a coordinator (mutual
@@ -141,7 +151,7 @@ def _run_plans(plans: Sequence[plan_pb2.Plan], steps: int, *, timeout_s: float, 
     ranks = max(mesh_spec(plan).world_size for plan in plans)
     with tempfile.TemporaryDirectory(prefix="octopipe-demo-") as root, LocalCluster(Path(root)) as cluster:
         cluster.add_node("local", slots=ranks, pin_cores=pin_cores, rank_timeout_s=timeout_s)
-        return cluster.run_plans(plans, steps=steps, timeout_s=timeout_s * (steps + 2))
+        return cluster.run_plans(plans, steps=steps, timeout_s=timeout_s * (steps + 2), compile=compile)
 
 
 @contextmanager
@@ -174,6 +184,7 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
     """The whole job; prints tables on ``console`` (None: silent) and returns the JSON summary."""
     from octopipe.execute.runtime import pipeline  # noqa: PLC0415
     from octopipe.execute.runtime.linkprobe import local_links, measure_link  # noqa: PLC0415
+    from octopipe.transform import StageCompiler, stage_backend  # noqa: PLC0415
 
     log = structlog.get_logger("octopipe.demo")
     reference = config.reference()
@@ -187,8 +198,12 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
     with _progress(console) as progress:
         names = pipeline.layer_names(reference)  # an unknown workload or size fails here, before any wait
         step = _Step(progress, f"profile F, I, W of {len(names)} layers (one thread)")
-        profile = pipeline.profile_reference(
-            reference, num_microbatches=config.microbatches, num_ranks=config.ranks, repeats=config.profile_repeats
+        profile = pipeline.profile_reference(  # the layers' graphs as the ranks will run them (compiled or not)
+            reference,
+            num_microbatches=config.microbatches,
+            num_ranks=config.ranks,
+            repeats=config.profile_repeats,
+            compiler=StageCompiler(backend=stage_backend(config.compile)),
         )
         step.done(f"profiled {len(profile.layers)} layers")
 
@@ -227,6 +242,7 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
             config.steps,
             timeout_s=config.timeout_s,
             pin_cores=config.pin_cores,
+            compile=config.compile,
         )
         step.done(f"ran {len(results)} runs of {config.steps} steps through the embedded coordinator")
 
@@ -253,6 +269,8 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
         "ran_1f1b_only": only_1f1b,
         "fastest_predicted_speedup": tuned.baseline.step_time_us / tuned.fastest_step_us,
         "losses_equal": all(r.losses == results[0].losses for r in results),
+        "compile": config.compile,
+        "stage_backends": {str(s): note for s, note in sorted(results[0].stage_backends.items())},
         "files": {k: str(v) for k, v in files.items()},
     }
     (out / "summary.json").write_text(dumps(summary))
@@ -376,6 +394,8 @@ def _print_report(
         for name, cmp in (("tuned", tuned), ("1F1B", base))
     )
     console.print(f"measured / profiled time per action: {ratios}", highlight=False)
+    notes = {int(stage): note for stage, note in summary["stage_backends"].items()}
+    console.print(compile_line(summary["compile"], notes), highlight=False, soft_wrap=True)
     speed = summary["speedup_over_1f1b_equal"]
     if summary["ran_1f1b_only"]:
         console.print(

@@ -10,12 +10,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from octopipe.execute.cli.compiling import add_compile_argument, compile_line
 from octopipe.execute.cli.jsonout import estimate_json, print_json
 from octopipe.execute.cli.profile import load_profile, save_profile
 from octopipe.execute.cli.progress import spinner
 from octopipe.execute.cli.torchrun import torchrun_rank
 from octopipe.execute.devices import RUN_DEVICES
-from octopipe.execute.runs import STAGE_BACKENDS, RunOptions
+from octopipe.execute.runs import RunOptions
 from octopipe.ir import load_plan
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
@@ -66,12 +67,7 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
         help="whole-model capture: do not check before the first step that the pipelined forward reproduces "
         "the model's own loss on one micro-batch (checked by default; a mismatch refuses to train, naming the stage)",
     )
-    parser.add_argument(
-        "--compile",
-        choices=STAGE_BACKENDS,
-        default="eager",
-        help="run the stage graphs as captured (eager) or compiled by Inductor (inductor); default: eager",
-    )
+    add_compile_argument(parser)
     parser.add_argument("--json", action="store_true", help="print losses and step times as JSON instead of a table")
     parser.add_argument(
         "--torchrun", action="store_true", help="join an external launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
@@ -145,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
                 "measured_step_ms": [t / 1e3 for t in times],
                 "rank_cores": {str(rank): cores for rank, cores in sorted(result.cores.items())},
                 "numerics_check": {str(rank): figures for rank, figures in sorted(result.numerics.items())} or None,
+                "compile": args.compile,
+                "stage_backends": {str(stage): note for stage, note in sorted(result.stage_backends.items())},
                 "simulated": estimate_json(simulation.estimate) if simulation is not None else None,
                 "files": {k: str(v) for k, v in (("timeline", args.timeline), ("trace", args.trace)) if v},
             }
@@ -166,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(*row)
     console.print(table)
     console.print("cores: " + ", ".join(f"rank {r} on {c}" for r, c in sorted(result.cores.items())))
+    console.print(compile_line(args.compile, result.stage_backends), soft_wrap=True)
     if result.numerics:  # whole-model capture: the guard passed on every rank before the first step
         worst = max(figures["seconds"] for figures in result.numerics.values())
         loss = next(iter(result.numerics.values()))["reference_loss"]

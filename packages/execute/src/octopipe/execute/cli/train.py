@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from octopipe.execute.cli.compiling import compile_line
 from octopipe.execute.cli.profile import load_profile
 from octopipe.execute.cli.progress import step_bar
 from octopipe.execute.cli.torchrun import torchrun_rank
-from octopipe.execute.runs import StepTimeline
+from octopipe.execute.runs import STAGE_BACKENDS, StepTimeline
 from octopipe.execute.train_config import TrainConfig, keys_help, load_train_config
 from octopipe.tune import ScheduleRegistry
 
@@ -39,6 +40,7 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     parser.add_argument("--steps", type=int, help="override [run] steps")
     parser.add_argument("--out", type=Path, default=Path("out/train"), help="where metrics.jsonl and tensorboard/ go")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--compile", choices=STAGE_BACKENDS, help="override [run] compile (auto, inductor, eager)")
     parser.add_argument(
         "--torchrun",
         action="store_true",
@@ -76,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
     from octopipe.execute.runtime.job import train  # noqa: PLC0415 - torch loads only for commands that need it
 
     config = load_train_config(args.config)
+    if args.compile is not None:  # the flag over the file's [run] compile
+        values = {**config.values, "run": {**config.values["run"], "compile": args.compile}}
+        config = dataclasses.replace(config, values=values)
     steps = args.steps if args.steps is not None else config.steps
     if steps < 1:
         raise ValueError(f"--steps must be at least 1, got {steps}")
@@ -113,10 +118,13 @@ def run(args: argparse.Namespace) -> int:
         "median_bubble": round(statistics.median(r["bubble"] for r in rows), 4),
         "predicted_step_ms": rows[0].get("predicted_step_ms"),
         "predicted_bubble": rows[0].get("predicted_bubble"),
+        "compile": config.values["run"]["compile"],
+        "stage_backends": {str(stage): note for stage, note in sorted(result.stage_backends.items())},
     }
     if args.json:
         sys.stdout.write(json.dumps(report) + "\n")
         return 0
+    sys.stdout.write(compile_line(report["compile"], result.stage_backends) + "\n")
     every = max(1, steps // 10)
     sys.stdout.write(f"{'step':>6} {'loss':>9} {'lr':>10} {'step ms':>9} {'tokens/s':>10} {'mfu':>7}\n")
     for step in sorted({*range(0, steps, every), steps - 1}):

@@ -72,13 +72,14 @@ class ControlClient:
         checkpoint_keep: int = 0,
         recovery: coordinator_pb2.RecoveryPolicy | None = None,
         queue_deadline_s: float = 0.0,
+        compile: str = "",
     ) -> str:
         """Submit a plan; with ``adapt_profile`` the coordinator re-tunes it from measured steps (closed loop);
         with ``profile`` (or ``adapt_profile``) it predicts the step time (``Run.predicted_step_time_us``);
         ``device`` ``cuda`` places the ranks on the nodes' GPUs. ``checkpoint_async`` writes checkpoints in
         the background, ``checkpoint_keep`` keeps the newest that many; ``recovery`` heals the run when it
         loses a node or a rank (re-planning needs ``profile``); ``queue_deadline_s`` fails it if it cannot
-        be placed for that long."""
+        be placed for that long; ``compile`` (eager, inductor, auto; empty: eager) says how the stage graphs run."""
         if adapt_profile is not None and profile is not None:
             raise ValueError("give the profile once: adapt_profile is also the one the prediction uses")
         request = coordinator_pb2.SubmitPlanRequest(
@@ -91,6 +92,7 @@ class ControlClient:
             checkpoint_async=checkpoint_async,
             checkpoint_keep=checkpoint_keep,
             queue_deadline_s=queue_deadline_s,
+            compile=compile,
         )
         if recovery is not None:
             request.recovery.CopyFrom(recovery)

@@ -133,5 +133,6 @@ def step_metrics(run_id: str, timeline: StepTimeline) -> node_pb2.StepMetrics:
     )
     if timeline.loss is not None:
         metrics.loss, metrics.has_loss = timeline.loss, True
+    metrics.stage_backends.extend(timeline.stage_backends)
     metrics.timeline.CopyFrom(timeline.to_proto())
     return metrics

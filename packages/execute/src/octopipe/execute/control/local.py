@@ -53,6 +53,10 @@ def result_from_metrics(
             item.timeline, start_ns=int(item.step_start_ns), duration_us=item.step_duration_us
         )
         result.timelines.setdefault(int(item.rank), []).append(step)
+        for note in item.stage_backends:  # "stage N: ..." from each rank's first step
+            stage, _, _ = note.partition(":")
+            if stage.startswith("stage ") and stage[6:].isdigit():
+                result.stage_backends[int(stage[6:])] = note
     return result
 
 
@@ -148,17 +152,24 @@ class LocalCluster:
         return process
 
     def run_plans(
-        self, plans: Sequence[plan_pb2.Plan], *, steps: int, seed: int = 0, timeout_s: float = 600.0
+        self,
+        plans: Sequence[plan_pb2.Plan],
+        *,
+        steps: int,
+        seed: int = 0,
+        timeout_s: float = 600.0,
+        compile: str = "",
     ) -> list[RunResult]:
         """Submit each plan as a run, one after the other; each run's losses and timelines as a RunResult.
 
-        What the local launcher returns, rebuilt from the metric streams (no gradients or weights).
+        What the local launcher returns, rebuilt from the metric streams (no gradients or weights);
+        ``compile`` says how the stage graphs run (``RunOptions.compile``; empty: eager).
         """
         results = []
         with self.client() as client:
             for plan in plans:
                 started = time.monotonic()
-                run_id = client.submit(plan, steps=steps, seed=seed)
+                run_id = client.submit(plan, steps=steps, seed=seed, compile=compile)
                 run = client.wait(run_id, timeout_s=timeout_s)
                 if run.state != node_pb2.RUN_STATE_DONE:
                     raise RunFailed(f"run {run_id} ({plan.name}) {state_name(run.state)}: {run.error}")

@@ -431,6 +431,7 @@ class NodeDaemon(node_pb2_grpc.NodeServiceServicer):
             checkpoint_keep=request.checkpoint_keep,
             resume=request.resume,
             device=backend_device(assignment.backend),
+            compile=request.compile or "eager",
         )
         run.events = self._context.Queue()
         for local_rank, rank in enumerate(assignment.ranks):

@@ -100,6 +100,7 @@ class RunPusher:
                 adaptive=submit.adapt,
                 checkpoint_async=submit.checkpoint_async,
                 checkpoint_keep=submit.checkpoint_keep,
+                compile=submit.compile,
             )
             sent_at = time.perf_counter()
             try:

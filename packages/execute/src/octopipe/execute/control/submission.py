@@ -11,6 +11,7 @@ import math
 import re
 
 from octopipe.coordinator.v1 import coordinator_pb2
+from octopipe.execute.runs import STAGE_BACKENDS
 from octopipe.ir import PlanError, mesh_spec
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
@@ -102,6 +103,8 @@ def options_problem(request: coordinator_pb2.SubmitPlanRequest) -> str:
     """What is wrong with a submission's checkpoint, recovery and deadline options (empty when nothing)."""
     if (request.checkpoint_async or request.checkpoint_keep) and not request.checkpoint_every:
         return "checkpoint_async and checkpoint_keep need checkpoint_every > 0 (steps between checkpoints)"
+    if request.compile and request.compile not in STAGE_BACKENDS:
+        return f"compile must be one of {', '.join(STAGE_BACKENDS)} (or empty: eager), got {request.compile!r}"
     policy = request.recovery
     for name, value in (
         ("queue_deadline_s", request.queue_deadline_s),

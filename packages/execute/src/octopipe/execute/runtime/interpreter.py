@@ -61,6 +61,7 @@ from octopipe.transform import (
     Stopwatch,
     WeightContext,
     storage_bytes,
+    storage_pointers,
 )
 
 __all__ = ["ActionRecord", "RankRuntime", "ShardedStage", "StepFailure", "minor_faults", "rss_bytes"]
@@ -104,11 +105,34 @@ def minor_faults() -> int:
 
 def rss_bytes() -> int:
     """Resident set size of this process (Linux), 0 where unknown."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
+    return _Resident().read()
+
+
+class _Resident:
+    """Reads this process's resident set size per action: ``/proc/self/statm`` opened once, read in place."""
+
+    def __init__(self) -> None:
+        try:
+            self.fd: int | None = os.open("/proc/self/statm", os.O_RDONLY)
+        except OSError:
+            self.fd = None
+        self.page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+    def read(self) -> int:
+        if self.fd is None:
+            return 0
+        try:
+            return int(os.pread(self.fd, 128, 0).split()[1]) * self.page
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
 Grads = list[torch.Tensor | None]
@@ -135,17 +159,18 @@ class _StepState:
         loose: list[object] = [t for ts in (*self.inputs.values(), *self.outputs.values()) for t in ts]
         loose += [t for ts in self.input_grads.values() for t in ts if t is not None]
         loose += [t for ts in self.output_grads.values() for t in ts if t is not None and t.dim() > 0]
-        total = storage_bytes(loose, exclude=self.static)
+        total = storage_bytes(loose, exclude=self.static_pointers)
         live: dict[int, int] = {}
         for ctx in self.forward_ctx.values():
-            live[id(ctx)] = self.sizes.get(id(ctx)) or storage_bytes(ctx.saved or [], exclude=self.static)
+            live[id(ctx)] = self.sizes.get(id(ctx)) or storage_bytes(ctx.saved or [], exclude=self.static_pointers)
         for wctx in self.weight_ctx.values():
             if wctx.tensors is not None:
-                live[id(wctx)] = self.sizes.get(id(wctx)) or storage_bytes(wctx.tensors, exclude=self.static)
+                live[id(wctx)] = self.sizes.get(id(wctx)) or storage_bytes(wctx.tensors, exclude=self.static_pointers)
         self.sizes = live
         return total + sum(live.values())
 
-    static: list[torch.Tensor] = field(default_factory=list)
+    #: the storages of parameters, shards and buffers (``RankRuntime._restatic`` keeps it current)
+    static_pointers: set[int] = field(default_factory=set)
     sizes: dict[int, int] = field(default_factory=dict)
 
 
@@ -186,7 +211,8 @@ class RankRuntime:
         #: (stage, parameter index) -> one gradient per micro-batch (None until its backward ran)
         self.microbatch_grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         self.loss_scale = torch.ones(()) / num_microbatches
-        self.static: list[torch.Tensor] = []
+        self.static_pointers: set[int] = set()
+        self._resident = _Resident()
         self._restatic()
         self.zero_grads()
         self._overlaps: dict[tuple[int, int, ActionKind], tuple[StageExecutable, StageExecutable, OverlapStage]] = {}
@@ -224,7 +250,8 @@ class RankRuntime:
         """Parameters, shards and buffers: excluded from ``held_bytes`` (updated in place; step states share it)."""
         tensors = [t for exe in self.stages.values() for t in (*exe.params, *exe.buffers)]
         tensors += [t for stage in self.sharded.values() for t in stage.static_tensors]
-        self.static[:] = tensors
+        self.static_pointers.clear()
+        self.static_pointers.update(storage_pointers(tensors))
 
     def zero_grads(self) -> None:
         for stage in self.grads:
@@ -238,6 +265,7 @@ class RankRuntime:
         self.channels.close()
         if self.collectives is not None:
             self.collectives.close()
+        self._resident.close()
 
     def _exe(self, stage: int) -> StageExecutable:
         gathering = self._gathering.pop(stage, None)
@@ -279,7 +307,7 @@ class RankRuntime:
         step (:meth:`Stopwatch.device_ns`)."""
         watch = stopwatch if stopwatch is not None else self.channels.device.stopwatch()
         self.action_marks = []
-        state = _StepState(static=self.static)
+        state = _StepState(static_pointers=self.static_pointers)
         for stage in self.sharded:  # last step's gathered parameters are stale after the optimizer step
             self._drop_gathered(stage)
         self._reduced.clear()
@@ -311,7 +339,7 @@ class RankRuntime:
                             start,
                             end,
                             held,
-                            rss_bytes(),
+                            self._resident.read(),
                             wait_ns=start - waited,
                             minor_faults=faults,
                         )

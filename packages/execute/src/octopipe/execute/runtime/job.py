@@ -144,6 +144,7 @@ def prepare_job(config: TrainConfig, steps: int | None = None) -> TrainJob:
         checkpoint_every=run_keys["checkpoint_every"],
         checkpoint_async=run_keys["checkpoint_async"],
         checkpoint_keep=run_keys["checkpoint_keep"],
+        compile=run_keys["compile"],
     )
     return TrainJob(plan=plan, options=options, tokens_per_step=int(inputs.numel()), profile=profile)
 

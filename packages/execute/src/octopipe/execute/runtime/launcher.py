@@ -176,6 +176,7 @@ def merge_results(
             result.cores[int(entry["rank"])] = list(entry["cores"])
             if entry.get("host_memory") is not None:
                 result.host_memory[int(entry["rank"])] = dict(entry["host_memory"])
+            result.stage_backends.update({int(s): str(n) for s, n in entry.get("stage_backends", {}).items()})
             if entry.get("numerics") is not None:
                 result.numerics[int(entry["rank"])] = dict(entry["numerics"])
             if entry.get("tied_grads") or entry.get("tied_params"):

@@ -59,7 +59,14 @@ from octopipe.execute.runtime.stages import rank_stages, split_batch
 from octopipe.execute.runtime.whole_model import buffer_specs, guard, guard_stages, reduce_tied, tied_indices
 from octopipe.ir import Program, compile_plan, stage_ranks
 from octopipe.plan.v1 import plan_pb2
-from octopipe.transform import Device, StageCompiler, StageExecutable, configure_host_memory, graph_flops
+from octopipe.transform import (
+    Device,
+    StageCompiler,
+    StageExecutable,
+    configure_host_memory,
+    graph_flops,
+    use_compile_cache_dirs,
+)
 from octopipe.transform.inductor import compiled_tolerance, stage_backend
 
 __all__ = ["StepEvents", "publish_plan", "worker_main"]
@@ -103,6 +110,7 @@ def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
             structlog.get_logger("octopipe.worker").warning("rank_pinning", rank=rank, problem=warning)
     torch.set_num_threads(1)
     memory = configure_host_memory(config.host_memory)  # before the rank allocates its model (transform.host_memory)
+    use_compile_cache_dirs()  # Inductor's cache beside octopipe's compile index, unless the user chose one
     device = Device.parse(config.device)
     if config.deterministic:
         device.make_deterministic()
@@ -299,6 +307,7 @@ def _run_plan(
         )
 
     runtime = make_runtime(plan)
+    notes = tuple(compiler.notes[s] for s in mine if s in compiler.notes)  # which graphs run compiled
     switches = 0
     named = {name: param for s in mine for name, param in stages[s].named_parameters()}
     params: dict[str, torch.nn.Parameter] = {}  # a tied parameter once (two stages of this rank may hold it)
@@ -311,7 +320,7 @@ def _run_plan(
     if whole is not None and config.numerics_check:  # refuse to train a pipeline that computes something else
         assert built.input_names is not None
         # compiled stages agree with their own ops to rounding (Inductor reorders arithmetic): the stated tolerance
-        tolerance = compiled_tolerance(plan_dtype(plan)) if compiler.backend == "inductor" else (0.0, 0.0)
+        tolerance = compiled_tolerance(plan_dtype(plan)) if compiler.compiled_stages else (0.0, 0.0)
         if source is not None:  # no rank holds every weight: stage by stage, outputs passed on
             numerics = guard_stages(whole, plain, first, built.input_names, boundaries, holder, tolerance=tolerance)
         else:
@@ -389,6 +398,7 @@ def _run_plan(
             loss=None if loss is None else float(loss),
             plan_switches=switches,
             checkpoint=saved,
+            stage_backends=notes if step == config.start_step else (),
         )
         timelines.append(timeline)
         if events is not None:
@@ -415,6 +425,7 @@ def _run_plan(
         "flops_per_step": flops if len(plain) == len(mine) else None,
         "plan": plan_index,
         "rank": rank,
+        "stage_backends": {s: compiler.notes[s] for s in mine if s in compiler.notes},  # the launcher's report
         "numerics": numerics,
         # each copy of a tied parameter this rank holds (the names above are shared by the ranks holding one)
         "tied_grads": {n: g for n, g in first_grads.items() if n in tied_names},

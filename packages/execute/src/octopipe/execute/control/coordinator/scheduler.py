@@ -179,6 +179,8 @@ class RunScheduler:
             if entry.run.state not in TERMINAL_STATES:
                 targets = self._records.addresses(entry.placement)
                 entry.placement = {}
+                if entry.submit.adapt:  # the closed loop's measured gain, from the steps reported so far
+                    self._closed_loop.report_gain(entry)
                 self._records.set_state(entry, node_pb2.RUN_STATE_CANCELLED, reason or "cancelled by a client")
                 self._pusher.stop_async(entry.run.run_id, targets, reason or "cancelled")
             return entry.run
