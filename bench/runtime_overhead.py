@@ -202,12 +202,14 @@ def _consumer(action: str) -> tuple[int, int, str] | None:
     return None
 
 
-def pipeline_part(workloads: list[str], steps: int, env: Environment, tiny: bool) -> list[dict[str, Any]]:
+def pipeline_part(
+    workloads: list[str], steps: int, env: Environment, tiny: bool, orders: list[str]
+) -> list[dict[str, Any]]:
     """Part 2: octopipe running torch's orders on 2 ranks, under each policy."""
     rows = []
     for workload in workloads:
         reference = reference_of(workload, tiny)
-        for order in PIPELINE_ORDERS:
+        for order in orders:
             plan = same_order_plan(order, reference)
             for policy in POLICIES:
                 result = run_local(plan, RunOptions(steps=steps, timeout_s=900, host_memory=policy))
@@ -321,13 +323,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats per graph (after 2 warm-up)")
     parser.add_argument("--label", default="after", help="names the version measured (before/after)")
     parser.add_argument("--parts", nargs="+", choices=["graphs", "pipeline"], default=["graphs", "pipeline"])
+    parser.add_argument("--orders", nargs="+", default=list(PIPELINE_ORDERS), help="torch schedule classes")
     add_arguments(parser, rounds=1, steps=3)
     args = parser.parse_args()
     env = start(parser, args)
     link, _ = measure_link()
     record: dict[str, Any] = {"label": args.label, "tiny": args.tiny, "probed_link_latency_us": link.latency_us}
     record["graphs"] = graphs_part(args.workloads, args.repeats, args.tiny) if "graphs" in args.parts else []
-    record["pipeline"] = pipeline_part(args.workloads, args.steps, env, args.tiny) if "pipeline" in args.parts else []
+    record["pipeline"] = pipeline_part(args.workloads, args.steps, env, args.tiny, args.orders) if "pipeline" in args.parts else []
     record["environment"] = env.finish()
     print_tables(record)
     existing = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
