@@ -330,7 +330,9 @@ def main() -> None:
     link, _ = measure_link()
     record: dict[str, Any] = {"label": args.label, "tiny": args.tiny, "probed_link_latency_us": link.latency_us}
     record["graphs"] = graphs_part(args.workloads, args.repeats, args.tiny) if "graphs" in args.parts else []
-    record["pipeline"] = pipeline_part(args.workloads, args.steps, env, args.tiny, args.orders) if "pipeline" in args.parts else []
+    record["pipeline"] = (
+        pipeline_part(args.workloads, args.steps, env, args.tiny, args.orders) if "pipeline" in args.parts else []
+    )
     record["environment"] = env.finish()
     print_tables(record)
     existing = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
