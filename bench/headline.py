@@ -19,7 +19,9 @@ rounds; the headline ratio is torch's best median step / the tuned plan's (a
 throughput ratio: above 1, the tuned plan is faster), with a two-level bootstrap
 90% interval in which the best torch schedule is chosen again in every draw.
 Also reported: the zero-bubble limit (every layer's F + B + W from the profile,
-x m / p) and each same-order ratio.
+x m / p) and each same-order ratio, which are also merged into
+``results/vs_torch.json`` (``vs_torch_compiled.json`` compiled) for these
+workloads: the same launches, so one run gives both views.
 
 ``--compile inductor``: the profile, the calibration and every octopipe launch
 compile their stage graphs with Inductor; torch's layer modules are compiled in
@@ -34,9 +36,7 @@ every round (its eager time then stands in for it in torch's best). Written unde
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,10 +45,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from interleave import Candidate, Measured, best_ratio_interval, first_line, ratio_interval, run_rounds, summary
+from interleave import Candidate, Measured, best_ratio_interval, first_line, run_rounds, summary
 from quiet import Environment, add_arguments, start
 from torch_pp import SCHEDULES, run_torch
-from vs_torch import M, octopipe_candidate, same_order_plan
+from vs_torch import M, merge_workloads, octopipe_candidate, run_record, same_order_plan, same_order_rows
 
 from octopipe.execute.runtime import RunOptions, run_local_many, workload_reference
 from octopipe.execute.runtime.linkprobe import measure_link
@@ -129,11 +129,13 @@ def bench(workload: str, args: argparse.Namespace, env: Environment) -> dict[str
     usable = [m for m in theirs if m.launches]
     best = min(usable, key=lambda m: m.median_us)
     low, high = best_ratio_interval(theirs, ours)
-    same_order = {}
-    for name in SCHEDULES:
-        a, b = measured[f"octopipe {name}"], measured[f"torch {name}"]
-        if a.launches and b.launches:
-            same_order[name] = {"ratio": a.median_us / b.median_us, "ratio_ci90": list(ratio_interval(a, b))}
+    same_order = same_order_rows(measured, SCHEDULES)
+    for row in same_order:  # compiled octopipe against eager torch is not a same-order figure
+        if row["schedule"] in notes:
+            row["torch_failed"] = notes[row["schedule"]]
+            row["torch_ran_eager"] = True
+            row.pop("ratio", None)
+            row.pop("ratio_ci90", None)
     plan = tuned.pop("plan")
     return {
         "tuned": tuned["description"],
@@ -147,11 +149,6 @@ def bench(workload: str, args: argparse.Namespace, env: Environment) -> dict[str
         "tuned_over_zero_bubble_limit": ours.median_us / 1e3 / tuned["zero_bubble_limit_ms"],
         "same_order_octopipe_over_torch": same_order,
     }
-
-
-def commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
-    return done.stdout.strip()
 
 
 def main() -> None:
@@ -177,27 +174,20 @@ def main() -> None:
             f"[90% CI {r['ratio_ci90'][0]:.3f}, {r['ratio_ci90'][1]:.3f}]; tuned / zero-bubble limit "
             f"{r['tuned_over_zero_bubble_limit']:.3f}"
         )
-    part = {
-        "environment": env.finish(),
-        "commit": commit(),
-        "date": datetime.date.today().isoformat(),
-        "rounds": args.rounds,
-        "steps_per_launch": args.steps,
-        "tiny": args.tiny,
-        "host_memory": "reuse (both sides)",
-        "workloads": workloads,
-    }
+    run = run_record(env, args, "bench/headline.py", host_memory="reuse (both sides)")
+    part = {**run, "tiny": args.tiny, "workloads": workloads}
     # the eager figures at the top level, the compiled ones under "compiled": one file, each part kept
     record: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
     if args.compile == "inductor":
         record["compiled"] = part
     else:
         record = {**part, **({"compiled": record["compiled"]} if "compiled" in record else {})}
-    environment = part["environment"]
-    print(f"load average before {environment['load_average_before']}, after {environment['load_average_after']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"written: {args.out}")
+    same_order = {w: r["same_order_octopipe_over_torch"] for w, r in workloads.items()}
+    vs_torch = args.out.parent / ("vs_torch_compiled.json" if args.compile == "inductor" else "vs_torch.json")
+    merge_workloads(vs_torch, same_order, run, compile_=args.compile, tiny=args.tiny)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,11 @@ torch schedule that cannot run compiled blocks is recorded as failed with its
 error's first line, and its ratio is not taken. Written to
 ``results/vs_torch_compiled.json`` (eager: ``results/vs_torch.json``).
 
+The JSON is merged per workload: a run replaces the workloads it measured and
+keeps the others, each with its own environment, rounds and commit
+(``bench/headline.py`` writes its same-order candidates here too: the same
+interleaved launches, beside the tuned plan).
+
     .venv/bin/python bench/vs_torch.py [--workloads llama-8 jamba-8 nemotronh-16 moe-ep-4] [--rounds 5]
         [--steps 3] [--schedules ...] [--compile inductor] [--torch-host-memory system]
 """
@@ -26,15 +31,18 @@ error's first line, and its ratio is not taken. Written to
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from interleave import Candidate, ratio_interval, run_rounds, summary
-from quiet import Environment, add_arguments, start, write_record
+from interleave import Candidate, Measured, ratio_interval, run_rounds, summary
+from quiet import Environment, add_arguments, start
 from torch_pp import SCHEDULES, run_torch
 
 from octopipe.execute.runtime import RunOptions, measured_step_times_us, run_local, workload_reference
@@ -88,17 +96,10 @@ def torch_candidate(
     return Candidate(label, run)
 
 
-def bench_workload(workload: str, args: argparse.Namespace, env: Environment) -> dict[str, Any]:
-    reference = workload_reference(workload, tiny=True, sequence=16) if args.tiny else workload_reference(workload)
-    compile_ = "inductor" if args.compile == "inductor" else "eager"
-    candidates = []
-    for name in args.schedules:
-        candidates.append(torch_candidate(f"torch {name}", name, reference, args, env))
-        candidates.append(octopipe_candidate(f"octopipe {name}", same_order_plan(name, reference), args, env, compile_))
-    print(f"\n{workload}: {len(candidates)} candidates x {args.rounds} rounds", flush=True)
-    measured = {m.name: m for m in run_rounds(candidates, args.rounds)}
+def same_order_rows(measured: dict[str, Measured], schedules: list[str]) -> list[dict[str, Any]]:
+    """Per schedule: each side's summary and octopipe / torch with its bootstrap 90% interval."""
     rows = []
-    for name in args.schedules:
+    for name in schedules:
         theirs, ours = measured[f"torch {name}"], measured[f"octopipe {name}"]
         row: dict[str, Any] = {"schedule": name, "torch": summary(theirs), "octopipe": summary(ours)}
         if theirs.error:
@@ -107,7 +108,61 @@ def bench_workload(workload: str, args: argparse.Namespace, env: Environment) ->
             row["ratio"] = ours.median_us / theirs.median_us
             row["ratio_ci90"] = list(ratio_interval(ours, theirs))
         rows.append(row)
-    return {"rows": rows}
+    return rows
+
+
+def bench_workload(workload: str, args: argparse.Namespace, env: Environment) -> list[dict[str, Any]]:
+    reference = workload_reference(workload, tiny=True, sequence=16) if args.tiny else workload_reference(workload)
+    compile_ = "inductor" if args.compile == "inductor" else "eager"
+    candidates = []
+    for name in args.schedules:
+        candidates.append(torch_candidate(f"torch {name}", name, reference, args, env))
+        candidates.append(octopipe_candidate(f"octopipe {name}", same_order_plan(name, reference), args, env, compile_))
+    print(f"\n{workload}: {len(candidates)} candidates x {args.rounds} rounds", flush=True)
+    measured = {m.name: m for m in run_rounds(candidates, args.rounds)}
+    return same_order_rows(measured, args.schedules)
+
+
+def commit() -> str:
+    """The short commit the benchmark ran (empty outside a git checkout)."""
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    return done.stdout.strip()
+
+
+def merge_workloads(
+    path: Path, rows: dict[str, list[dict[str, Any]]], run: dict[str, Any], *, compile_: str, tiny: bool
+) -> None:
+    """Write each workload's rows with ``run`` (environment, rounds, source) into ``path``, keeping the others.
+
+    A file from a different mode (compile, tiny) is replaced, not merged: its rows would not compare.
+    """
+    record: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    if record.get("compile") != compile_ or record.get("tiny") != tiny or "runs" not in record:
+        record = {"m": M, "compile": compile_, "tiny": tiny, "octopipe_host_memory": "reuse", "workloads": {}}
+    for workload, workload_rows in rows.items():
+        record["workloads"][workload] = {"rows": workload_rows, "run": run}
+    ratios = [r["ratio"] for w in record["workloads"].values() for r in w["rows"] if "ratio" in r]
+    record["max_ratio"] = max(ratios) if ratios else None
+    record["median_ratio"] = statistics.median(ratios) if ratios else None
+    record["runs"] = "each workload's own: workloads.<name>.run"
+    environment = run["environment"]
+    print(f"load average before {environment['load_average_before']}, after {environment['load_average_after']}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"written: {path} ({', '.join(rows)} updated)")
+
+
+def run_record(env: Environment, args: argparse.Namespace, source: str, **extra: Any) -> dict[str, Any]:
+    """What one benchmark run was: the machine, rounds, steps, commit, date and the script."""
+    return {
+        "source": source,
+        "commit": commit(),
+        "date": datetime.date.today().isoformat(),
+        "rounds": args.rounds,
+        "steps_per_launch": args.steps,
+        **extra,
+        "environment": env.finish(),
+    }
 
 
 def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
@@ -144,23 +199,10 @@ def main() -> None:
     args.out = args.out or Path(__file__).parent / "results" / name
     env = start(parser, args)
     workloads = {w: bench_workload(w, args, env) for w in args.workloads}
-    for w, result in workloads.items():
-        print_table(w, result["rows"])
-    ratios = [r["ratio"] for result in workloads.values() for r in result["rows"] if "ratio" in r]
-    record: dict[str, Any] = {
-        "environment": env.finish(),
-        "m": M,
-        "rounds": args.rounds,
-        "steps_per_launch": args.steps,
-        "tiny": args.tiny,
-        "compile": args.compile,
-        "torch_host_memory": args.torch_host_memory,
-        "octopipe_host_memory": "reuse",
-        "workloads": workloads,
-        "max_ratio": max(ratios) if ratios else None,
-        "median_ratio": statistics.median(ratios) if ratios else None,
-    }
-    write_record(args.out, record)
+    for w, rows in workloads.items():
+        print_table(w, rows)
+    run = run_record(env, args, "bench/vs_torch.py", torch_host_memory=args.torch_host_memory)
+    merge_workloads(args.out, workloads, run, compile_=args.compile, tiny=args.tiny)
 
 
 if __name__ == "__main__":
