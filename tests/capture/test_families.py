@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 FAMILIES: dict[str, Callable[[str], Any]] = {
     name: HF[name] for name in ("gemma3", "gpt2", "falcon_h1", "deepseek_v3", "qwen3", "qwen3moe", "olmoe")
 }
-#: eager attention is the same split of another kernel: those variants run with ./scripts/test.sh --all
+#: eager attention is the same split of another kernel: those variants are extended (CI runs them; --quick leaves them out)
 EXTENDED = pytest.mark.extended
 CASES = [
     ("gemma3", "sdpa"),

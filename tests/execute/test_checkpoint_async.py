@@ -183,8 +183,8 @@ def test_asynchronous_saves_hold_the_state_of_their_step_and_keep_the_newest(tmp
 # ---- whole runs: 2 gloo ranks of the tiny llama-8 ----
 
 
-# three launches of 2 ranks, the fixture's included: 12 s on 2 quiet cores, 28 s on busy ones; with --all (CI
-# budget): the interrupted save below, run by default, resumes bitwise from an asynchronous checkpoint too
+# three launches of 2 ranks, the fixture's included: 12 s on 2 quiet cores, 28 s on busy ones; extended (CI
+# runs it; --quick leaves it out): the interrupted save below, in the quick loop too, resumes bitwise from an asynchronous checkpoint too
 @pytest.mark.slow
 @pytest.mark.extended
 def test_asynchronous_checkpoints_equal_synchronous_ones_and_resume_bitwise(

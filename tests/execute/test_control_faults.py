@@ -15,8 +15,8 @@ from octopipe.node.v1 import node_pb2
 from octopipe.tune import one_f_one_b
 from tests.execute.control_cluster import llama_plan
 
-# a manual resume after the kill (about 25 s): with ./scripts/test.sh --all (CI budget); the same kill healed
-# automatically, bitwise, runs by default (test_control_recovery.py)
+# a manual resume after the kill (about 25 s): extended (CI runs it; --quick leaves it out); the same kill
+# healed automatically, bitwise, is in the quick loop too (test_control_recovery.py)
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 STEPS, EVERY = 6, 2

@@ -14,8 +14,8 @@ from octopipe.node.v1 import node_pb2
 from tests.execute import netns
 from tests.execute.control_cluster import llama_plan
 
-# two network namespaces and a cut link (about 48 s): with ./scripts/test.sh --all (CI budget); the
-# loopback control-plane tests run by default
+# two network namespaces and a cut link (about 48 s): extended (CI runs it; ./scripts/test.sh --quick
+# leaves it out); the loopback control-plane tests run in the quick loop too
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.extended,

@@ -144,7 +144,7 @@ def test_run_on_cuda_without_a_gpu_is_one_line_before_any_rank_however_many_rank
         assert says in err and err.count("\n") == 1 and "Traceback" not in err, err
 
 
-@pytest.mark.extended  # 25-50 s; run it (./scripts/test.sh --all) before spending device time on the script
+@pytest.mark.extended  # 25-50 s; run it (CI does; ./scripts/test.sh -k gpu_check) before spending device time on the script
 def test_the_prepared_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     command = [sys.executable, str(ROOT / "bench/gpu_check.py"), "--device", "cpu", "--steps", "2"]

@@ -12,8 +12,8 @@ from octopipe.execute.runtime import RunOptions, run_local
 from octopipe.execute.runtime.checkpoint import read_checkpoint
 from tests.execute.test_mesh_runtime import mesh_plans
 
-# 4 ranks on 2 cores, three launches (about 45 s): checkpoints of plain runs are checked by default
-# (tests/execute/test_control_faults.py resumes bitwise); this mesh variant runs with --all
+# 4 ranks on 2 cores, three launches (about 45 s): checkpoints of plain runs are checked in the quick
+# loop too (tests/execute/test_control_faults.py resumes bitwise); this mesh variant is extended (CI runs it)
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 

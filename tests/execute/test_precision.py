@@ -34,7 +34,7 @@ def _plan(workload: str, schedule: Callable[..., plan_pb2.Plan], ranks: int = 2)
     return plan
 
 
-# nemotronh-16 (Mamba, MoE, attention) runs with --all: the default run keeps CI inside its budget
+# nemotronh-16 (Mamba, MoE, attention) is extended: CI runs it, --quick leaves it out
 @pytest.mark.parametrize("workload", ["llama-8", pytest.param("nemotronh-16", marks=pytest.mark.extended)])
 @pytest.mark.parametrize("schedule", [one_f_one_b, zb_v], ids=["1f1b", "zb-v"])
 def test_a_bf16_pipeline_equals_the_bf16_eager_reference_bitwise(

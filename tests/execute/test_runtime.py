@@ -140,7 +140,7 @@ def library(workload: str, ranks: int, m: int) -> list[plan_pb2.Plan]:
         # the MoE decoder runs by default as pp=2 x dp=2 x ep=2 in test_mesh_runtime (CI's budget)
         pytest.param("moe-ep-4", 2, marks=pytest.mark.extended),
         ("jamba-8", 2),
-        # 4 ranks on 2 cores are slow (35-60 s each): with --all; the default run has 4-rank meshes
+        # 4 ranks on 2 cores are slow (35-60 s each): extended; the quick loop has 4-rank meshes
         pytest.param("llama-8", 4, marks=pytest.mark.extended),
         pytest.param("jamba-8", 4, marks=pytest.mark.extended),
         pytest.param("nemotronh-16", 4, marks=pytest.mark.extended),

@@ -1,5 +1,5 @@
-"""``octopipe run --torchrun`` under a real torchrun launch: a pp=2 plan on 2 processes (by default) and a
-pp=2 x dp=2 mesh plan on 4 (with --all).
+"""``octopipe run --torchrun`` under a real torchrun launch: a pp=2 plan on 2 processes and a
+pp=2 x dp=2 mesh plan on 4 (extended: CI runs it, ``./scripts/test.sh --quick`` leaves it out).
 
 torchrun starts the ranks (its agent holds the rendezvous store); each rank joins with
 ``octopipe run PLAN --torchrun`` and writes its results. The pipeline's losses must be bitwise the single

@@ -157,7 +157,7 @@ def test_an_hf_folder_trains_from_its_weights_and_exports_them(
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # 200 steps on 2 ranks (about a minute here): with ./scripts/test.sh --all
+@pytest.mark.extended  # 200 steps on 2 ranks (about a minute here): extended (CI runs it; --quick leaves it out)
 def test_the_embedded_default_shows_the_loss_falling(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--out", str(tmp_path), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

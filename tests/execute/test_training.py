@@ -112,8 +112,8 @@ def test_global_norm_clipping_over_two_stages_equals_clip_grad_norm_bitwise() ->
 
 @pytest.mark.slow
 def test_global_norm_clipping_over_replicas_equals_clip_grad_norm() -> None:
-    """pp=1 x dp=2: each parameter's norm from its two FSDP shards (the default run's 2-process check; pp=2
-    x dp=2 below, with --all)."""
+    """pp=1 x dp=2: each parameter's norm from its two FSDP shards (the quick loop's 2-process check; pp=2
+    x dp=2 below, extended)."""
     plan = _plan(1, dp=2)
     sgd = dataclasses.replace(CLIPPING, optimizer="sgd", momentum=0.9)
     run = run_local(plan, RunOptions(steps=2, optimization=sgd, keep_params=True, pin_cores=False))
