@@ -81,10 +81,18 @@ class Environment:
         }
 
 
-def add_arguments(parser: argparse.ArgumentParser, *, rounds: int, steps: int) -> None:
-    """The options every timing benchmark shares: rounds, steps, --tiny, --max-load, --force."""
+def add_arguments(parser: argparse.ArgumentParser, *, rounds: int, steps: int, warmup: bool = False) -> None:
+    """The options every timing benchmark shares: rounds, steps, --tiny, --max-load, --force (and --warmup)."""
     parser.add_argument("--rounds", type=int, default=rounds, help=f"interleaved rounds (default {rounds})")
-    parser.add_argument("--steps", type=int, default=steps, help="steps per launch; the first is warm-up")
+    parser.add_argument("--steps", type=int, default=steps, help="steps per launch, the warm-up steps included")
+    if warmup:
+        parser.add_argument(
+            "--warmup",
+            type=int,
+            default=1,
+            help="the first steps of every launch left out of the figures, for every candidate alike (default 1; a "
+            "plan that holds more activations takes more steps to reach the allocator's steady state)",
+        )
     parser.add_argument("--tiny", action="store_true", help="unit-test sizes (a smoke run, not a result)")
     parser.add_argument("--max-load", type=float, default=DEFAULT_MAX_LOAD)
     parser.add_argument("--force", action="store_true", help="run on a busy machine (recorded in the JSON)")
@@ -92,8 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, rounds: int, steps: int) -
 
 def start(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Environment:
     """Check the shared options and the machine; the Environment that records the run."""
-    if args.rounds < 1 or args.steps < 2:
-        parser.error("give --rounds >= 1 and --steps >= 2 (the first step of each launch is warm-up)")
+    warmup = getattr(args, "warmup", 1)
+    if args.rounds < 1 or warmup < 1 or args.steps <= warmup:
+        parser.error("give --rounds >= 1, --warmup >= 1 and --steps above it (the warm-up steps are not timed)")
     require_quiet(args.max_load, force=args.force)
     return Environment(forced=args.force)
 

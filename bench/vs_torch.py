@@ -9,7 +9,7 @@ AdamW; 2 gloo ranks on 127.0.0.1, each pinned to its own core, one thread, the
 same host allocator policy on both sides (``--torch-host-memory system`` gives
 torch the C library's defaults instead: torch as a user starts it). Every
 candidate runs in every round, interleaved (``interleave.run_rounds``); the
-first step of each launch is warm-up. Reported per schedule: median step
+first ``--warmup`` steps of each launch (default 1) are warm-up, for every candidate alike. Reported per schedule: median step
 [p10, p90] of each side over all rounds, and the ratio octopipe / torch (below
 1: octopipe faster) with a two-level bootstrap 90% interval.
 
@@ -25,7 +25,7 @@ keeps the others, each with its own environment, rounds and commit
 interleaved launches, beside the tuned plan).
 
     .venv/bin/python bench/vs_torch.py [--workloads llama-8 jamba-8 nemotronh-16 moe-ep-4] [--rounds 5]
-        [--steps 3] [--schedules ...] [--compile inductor] [--torch-host-memory system]
+        [--steps 3] [--warmup 1] [--schedules ...] [--compile inductor] [--torch-host-memory system]
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def octopipe_candidate(
         result = run_local(plan, RunOptions(steps=args.steps, timeout_s=900, compile=compile_))
         env.record(result.cores)
         env.host_memory.append({"candidate": label, **{str(r): m for r, m in result.host_memory.items()}})
-        return measured_step_times_us(result)[1:]
+        return measured_step_times_us(result)[args.warmup :]
 
     return Candidate(label, run)
 
@@ -91,7 +91,7 @@ def torch_candidate(
             host_memory=args.torch_host_memory,
         )
         env.record(cores)
-        return times[1:]
+        return times[args.warmup :]
 
     return Candidate(label, run)
 
@@ -160,6 +160,7 @@ def run_record(env: Environment, args: argparse.Namespace, source: str, **extra:
         "date": datetime.date.today().isoformat(),
         "rounds": args.rounds,
         "steps_per_launch": args.steps,
+        "warmup_steps": args.warmup,
         **extra,
         "environment": env.finish(),
     }
@@ -193,7 +194,7 @@ def main() -> None:
         help="torch's ranks' C allocator: octopipe's policy (default, like for like) or the C library's defaults",
     )
     parser.add_argument("--out", type=Path, help="default: results/vs_torch.json (vs_torch_compiled.json compiled)")
-    add_arguments(parser, rounds=5, steps=3)
+    add_arguments(parser, rounds=5, steps=3, warmup=True)
     args = parser.parse_args()
     name = "vs_torch_compiled.json" if args.compile == "inductor" else "vs_torch.json"
     args.out = args.out or Path(__file__).parent / "results" / name
