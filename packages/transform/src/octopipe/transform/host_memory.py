@@ -9,7 +9,7 @@ pipeline stage allocates and frees activations and gradients of megabytes
 every action, so whether a block is reused or mapped afresh decides a large
 part of its time: on one core, a Mamba block's backward at the standard sizes
 took 72.7 ms with 20 480 page faults under glibc's defaults and 37.2 ms with
-none once freed memory was kept (``bench/runtime_breakdown.py``). Which blocks
+none once freed memory was kept (``bench/runtime_overhead.py``). Which blocks
 fault depends on the order of earlier allocations, so the same layer timed
 alone, inside octopipe's pipeline, or inside torch's ran at different speeds.
 
@@ -19,7 +19,11 @@ alone, inside octopipe's pipeline, or inside torch's ran at different speeds.
 and freed ones are reused, as a caching allocator would. The cost: memory a
 rank freed stays mapped to it (its resident set stays near its peak; the
 allocator peak the runtime reports is unchanged). ``"system"`` leaves the C
-library as it is. It acts on the whole process and only on glibc (elsewhere it
+library as it is. The heap reaches its steady size only once it has held a
+step's peak in the order the step allocates it: one step for 1F1B's ranks, and
+up to three for ZB-H1's at the standard jamba-8 sizes, whose stashed W inputs
+raise the peak (a rank faulted 105k, 19k, 19k, then 0 pages per step); runs of
+a few steps should leave those out. It acts on the whole process and only on glibc (elsewhere it
 reports that it did nothing); the runtime's rank processes and the profiler
 apply the same policy, so layers are timed under the allocator they run with.
 CUDA memory is untouched (torch's caching allocator already reuses it).
