@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from octopipe.execute.devices import RUN_DEVICES, rank_device
 from octopipe.execute.training import DataSpec, Optimization, WeightsSpec
@@ -37,6 +37,7 @@ __all__ = [
     "RunFailed",
     "RunOptions",
     "RunResult",
+    "StepEvents",
     "StepTimeline",
     "WorkerConfig",
     "optimization_problem",
@@ -96,6 +97,9 @@ class RunOptions:
     ``host_memory``: ``reuse`` (default) makes each CPU rank's C allocator keep freed blocks for reuse instead
     of mapping fresh, page-faulting memory for every activation (``transform.host_memory``); ``system``
     leaves the C library's defaults.
+    ``emulate``: a Profile: compute nothing, and run every rank's real program with each computation waiting
+    for its profiled duration (``runtime.emulate``; no model is built, ranks are not pinned, and
+    ``RunResult.emulated`` says so).
     """
 
     steps: int = 1
@@ -124,6 +128,7 @@ class RunOptions:
     compile: str = "eager"
     compile_fallback: bool = False
     host_memory: str = "reuse"
+    emulate: profile_pb2.Profile | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cpus", tuple(self.cpus))  # a list given by a caller becomes a tuple
@@ -214,6 +219,8 @@ class WorkerConfig:
     compile_fallback: bool = False
     #: how the rank's C allocator keeps freed host memory (``transform.host_memory``)
     host_memory: str = "reuse"
+    #: a serialized Profile: run the program with emulated computations (``runtime.emulate``); empty: compute
+    emulate: bytes = b""
 
     @classmethod
     def for_rank(
@@ -269,6 +276,7 @@ class WorkerConfig:
             compile=options.compile,
             compile_fallback=options.compile_fallback,
             host_memory=options.host_memory,
+            emulate=options.emulate.SerializeToString() if options.emulate is not None else b"",
         )
 
 
@@ -408,6 +416,12 @@ class StepTimeline:
         )
 
 
+class StepEvents(Protocol):
+    """Where a rank reports each completed step (a multiprocessing queue)."""
+
+    def put(self, item: StepTimeline, /) -> None: ...
+
+
 class RunFailed(RuntimeError):
     """A rank failed; the message is the first failure's, naming rank, step and action."""
 
@@ -445,6 +459,9 @@ class RunResult:
     #: sharded stages)
     flops_per_step: dict[int, float] = field(default_factory=dict)
     wall_s: float = 0.0
+    #: compute was emulated (``RunOptions.emulate``): the timelines are the runtime's with every computation
+    #: waiting for its profiled duration; no loss, gradient or kernel time was computed
+    emulated: bool = False
 
 
 def same_layout(old: plan_pb2.Plan, new: plan_pb2.Plan) -> str:

@@ -48,6 +48,15 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     parser.add_argument("--seed", type=int, default=0, help="the model's seed on every rank")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any rank may wait for a message")
     parser.add_argument("--profile", type=Path, help="a Profile: also simulate the plan and compare")
+    parser.add_argument(
+        "--emulate",
+        type=Path,
+        metavar="PROFILE",
+        help="compute nothing: run every rank's real program (interpreter, channels, gloo messages of the "
+        "profiled sizes) with each computation waiting for its duration in PROFILE, and compare with the "
+        "simulation of the same profile; no model is built, so 4-16-rank plans run on a small machine "
+        "(a dry run of a cluster plan)",
+    )
     parser.add_argument("--trace", type=Path, help="write a Perfetto trace (simulated and measured side by side)")
     parser.add_argument("--timeline", type=Path, help="write the measured timelines as a Profile (.binpb/.json)")
     parser.add_argument(
@@ -90,6 +99,72 @@ def _join_torchrun(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
     return 0
 
 
+EMULATED_LINE = (
+    "compute EMULATED from {profile}: every computation waited for its profiled duration; these step times are "
+    "the runtime's, its messages' and the link's, not kernels'"
+)
+
+
+def _emulate(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
+    """``octopipe run PLAN --emulate PROFILE``: the real runtime with emulated computations, beside the simulation."""
+    from octopipe.execute.runtime import (  # noqa: PLC0415
+        measured_step_times_us,
+        run_local,
+        timelines_to_proto,
+        write_side_by_side_trace,
+    )
+
+    if args.torchrun or args.device != "cpu" or args.profile:
+        raise ValueError(
+            "--emulate runs local CPU ranks and simulates its own profile: drop --torchrun, --device and --profile"
+        )
+    profile = load_profile(args.emulate)
+    simulation = simulate(plan, local_cost_model(plan, profile))
+    options = RunOptions(steps=args.steps, timeout_s=args.timeout, pin_cores=False, emulate=profile)
+    with spinner(f"emulating {args.steps} steps on {len(plan.ranks)} local ranks ...", enabled=not args.json):
+        result = run_local(plan, options)
+    times = measured_step_times_us(result)
+    line = EMULATED_LINE.format(profile=args.emulate)
+    if args.timeline:
+        message = profile_pb2.Profile(device="emulated")
+        message.model.CopyFrom(plan.model)
+        message.labels["compute"] = "emulated"
+        message.labels["emulated_from"] = str(args.emulate)
+        message.timelines.extend(timelines_to_proto(result))
+        save_profile(message, args.timeline)
+    if args.trace:
+        write_side_by_side_trace(args.trace, simulation, result, step=len(times) - 1)
+    if args.json:
+        print_json(
+            {
+                "plan": plan.name,
+                "compute": "emulated",
+                "emulated_from": str(args.emulate),
+                "emulated_step_ms": [t / 1e3 for t in times],
+                "simulated": estimate_json(simulation.estimate),
+                "files": {k: str(v) for k, v in (("timeline", args.timeline), ("trace", args.trace)) if v},
+            }
+        )
+        return 0
+    console = Console()
+    table = Table(
+        title=f"{plan.name or args.plan.name}: {len(plan.ranks)} ranks, {plan.num_microbatches} "
+        "micro-batches, compute EMULATED"
+    )
+    for column in ("step", "emulated step ms", "simulated step ms", "emulated / simulated"):
+        table.add_column(column, justify="right")
+    predicted = simulation.estimate.step_time_us
+    for step, time_us in enumerate(times):
+        table.add_row(str(step), f"{time_us / 1e3:.1f}", f"{predicted / 1e3:.1f}", f"{time_us / predicted:.3f}")
+    console.print(table)
+    console.print(line, soft_wrap=True)
+    if args.timeline:
+        console.print(f"timelines: {args.timeline} (labelled compute: emulated)")
+    if args.trace:
+        console.print(f"trace: {args.trace} (simulated and emulated ranks; open in https://ui.perfetto.dev)")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
 
     from octopipe.execute.runtime import (  # noqa: PLC0415
@@ -102,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     plan = load_plan(args.plan)
+    if args.emulate:
+        return _emulate(plan, args)
     if not plan.HasField("model") or not plan.model.source:
         raise ValueError(f"{args.plan}: the plan names no model (set model.source, e.g. octopipe.examples:workload)")
     if args.torchrun:

@@ -89,11 +89,14 @@ def run_timelines(metrics: list[Any], rank_nodes: list[str]) -> tuple[RunResult,
 
 
 def _from_file(path: Path) -> tuple[RunResult, list[int], str]:
-    timelines = list(load_profile(path).timelines)
+    profile = load_profile(path)
+    timelines = list(profile.timelines)
     if not timelines:
         raise ValueError(f"{path} holds no timelines: write one with `octopipe run PLAN --timeline FILE`")
     result = measured_result(timelines)
-    return result, list(range(len(next(iter(result.timelines.values()))))), "measured"
+    result.emulated = profile.labels.get("compute") == "emulated"  # `octopipe run --emulate` wrote it
+    label = "emulated (compute emulated, not measured)" if result.emulated else "measured"
+    return result, list(range(len(next(iter(result.timelines.values()))))), label
 
 
 def _from_run(client: Any, run_id: str) -> tuple[RunResult, list[int], str]:

@@ -2,6 +2,7 @@
 
 from octopipe.execute.runs import ActionRecord, RunFailed, RunOptions, RunResult, StepTimeline
 from octopipe.execute.runtime.comm import Aborted, Channels, CommTimeout
+from octopipe.execute.runtime.emulate import EMULATED_RANK_BYTES, EmulatedStage, emulation_problem
 from octopipe.execute.runtime.interpreter import RankRuntime, StepFailure
 from octopipe.execute.runtime.launcher import run_local, run_local_many
 from octopipe.execute.runtime.measure import (
@@ -16,11 +17,13 @@ from octopipe.execute.runtime.reference import ReferenceResult, reference_run
 from octopipe.execute.runtime.worker import worker_main
 
 __all__ = [
+    "EMULATED_RANK_BYTES",
     "Aborted",
     "ActionRecord",
     "BuiltModel",
     "Channels",
     "CommTimeout",
+    "EmulatedStage",
     "RankRuntime",
     "ReferenceResult",
     "RunFailed",
@@ -29,6 +32,7 @@ __all__ = [
     "StepFailure",
     "StepTimeline",
     "build_model",
+    "emulation_problem",
     "measured_step_times_us",
     "median_step_time_us",
     "reference_run",

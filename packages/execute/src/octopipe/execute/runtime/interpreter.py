@@ -39,14 +39,14 @@ import os
 import resource
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from octopipe.capture import StageGraphs
-from octopipe.execute.runs import ActionRecord
-from octopipe.execute.runtime.collective_stream import CollectiveStream, CollectiveTimes, Pending
+from octopipe.execute.runs import ActionRecord, StepTimeline
+from octopipe.execute.runtime.collective_stream import CollectiveStream, CollectiveTimes, Pending, collective_records
 from octopipe.execute.runtime.comm import Channels
 from octopipe.execute.runtime.precision import GRAD_DTYPE
 from octopipe.ir import Action, ActionKind
@@ -55,7 +55,7 @@ from octopipe.transform import (
     BackwardKind,
     BWSplit,
     ForwardContext,
-    OverlapStage,
+    OverlapResult,
     StageCompiler,
     StageExecutable,
     Stopwatch,
@@ -64,9 +64,73 @@ from octopipe.transform import (
     storage_pointers,
 )
 
-__all__ = ["ActionRecord", "RankRuntime", "ShardedStage", "StepFailure", "minor_faults", "rss_bytes"]
+__all__ = [
+    "ActionRecord",
+    "Multiplexer",
+    "RankRuntime",
+    "ShardedStage",
+    "StageLayout",
+    "StageRunner",
+    "StepFailure",
+    "minor_faults",
+    "rss_bytes",
+]
 
 
+class StageLayout(Protocol):
+    """What the interpreter reads of a stage's graphs: its boundary (``capture.StageGraphs`` has it)."""
+
+    @property
+    def num_inputs(self) -> int: ...
+    @property
+    def num_outputs(self) -> int: ...
+    @property
+    def input_requires_grad(self) -> tuple[bool, ...]: ...
+    @property
+    def output_requires_grad(self) -> tuple[bool, ...]: ...
+    @property
+    def num_params(self) -> int: ...
+
+
+class StageRunner(Protocol):
+    """A stage that holds its parameters, as the interpreter calls it: a captured
+    :class:`~octopipe.transform.StageExecutable`, or an emulated stage
+    (:mod:`octopipe.execute.runtime.emulate`) whose computations wait for their profiled durations."""
+
+    @property
+    def graphs(self) -> StageLayout: ...
+    @property
+    def params(self) -> Sequence[torch.Tensor]: ...
+    @property
+    def buffers(self) -> Sequence[torch.Tensor]: ...
+
+    def forward_all(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], ForwardContext]: ...
+    def backward_input_all(
+        self, ctx: ForwardContext, output_grads: Sequence[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor | None], WeightContext]: ...
+    def full_backward_all(
+        self, ctx: ForwardContext, output_grads: Sequence[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]: ...
+    def backward_weight(self, ctx: WeightContext) -> list[torch.Tensor | None]: ...
+
+
+class OverlapRunner(Protocol):
+    """One OVERLAP_F_B unit, bound to its two stages (``transform.OverlapStage``)."""
+
+    def run(self, inputs: Sequence[torch.Tensor], ctx: ForwardContext, grad: torch.Tensor, /) -> OverlapResult: ...
+
+
+class Multiplexer(Protocol):
+    """What makes the OVERLAP_F_B units of a program: the stage compiler (``transform.StageCompiler``), or the
+    emulated one. ``multiplexed`` is called once per pair before the first step, ``overlap`` at its first use."""
+
+    def multiplexed(
+        self, forward: Any, backward: Any, split: Any, kind: BackwardKind, *, stages: tuple[int, int]
+    ) -> object: ...
+    def overlap(self, forward: Any, backward: Any, kind: BackwardKind) -> OverlapRunner: ...
+
+
+@runtime_checkable
 class ShardedStage(Protocol):
     """A stage whose parameters are sharded: UNSHARD gathers them, REDUCE_GRAD reduces full gradients to shards."""
 
@@ -182,22 +246,22 @@ class RankRuntime:
         *,
         rank: int,
         program: Program,
-        stages: Mapping[int, StageExecutable | ShardedStage],
+        stages: Mapping[int, StageRunner | ShardedStage],
         channels: Channels,
         per_microbatch: Mapping[int, Sequence[int]] | None = None,
-        compiler: StageCompiler | None = None,
+        compiler: Multiplexer | None = None,
     ) -> None:
         self.rank = rank
         #: the compiler the stages came from; it multiplexes the OVERLAP_F_B pairs of the program
-        self.compiler = compiler or StageCompiler()
+        self.compiler: Multiplexer = compiler or StageCompiler()
         #: the compiled program (all ranks); this rank runs ``actions``
         self.program = program
         self.actions: list[Action] = program.actions(rank)
         stage_rank = dict(enumerate(program.placement))
         num_microbatches = program.num_microbatches
         #: stages ready to compute: plain ones always, sharded ones between UNSHARD and RESHARD
-        self.stages: dict[int, StageExecutable] = {s: e for s, e in stages.items() if isinstance(e, StageExecutable)}
-        self.sharded: dict[int, ShardedStage] = {s: e for s, e in stages.items() if not isinstance(e, StageExecutable)}
+        self.stages: dict[int, StageRunner] = {s: e for s, e in stages.items() if not isinstance(e, ShardedStage)}
+        self.sharded: dict[int, ShardedStage] = {s: e for s, e in stages.items() if isinstance(e, ShardedStage)}
         self.stage_rank = stage_rank
         self.num_stages = max(stage_rank) + 1
         self.m = num_microbatches
@@ -215,7 +279,7 @@ class RankRuntime:
         self._resident = _Resident()
         self._restatic()
         self.zero_grads()
-        self._overlaps: dict[tuple[int, int, ActionKind], tuple[StageExecutable, StageExecutable, OverlapStage]] = {}
+        self._overlaps: dict[tuple[int, int, ActionKind], tuple[StageRunner, StageRunner, OverlapRunner]] = {}
         self._reduced: set[int] = set()
         #: the rank's collective stream (only with sharded stages), and what is posted on it and not yet waited for
         self.collectives = (
@@ -267,7 +331,7 @@ class RankRuntime:
             self.collectives.close()
         self._resident.close()
 
-    def _exe(self, stage: int) -> StageExecutable:
+    def _exe(self, stage: int) -> StageRunner:
         gathering = self._gathering.pop(stage, None)
         if gathering is not None:  # the stage's first computation since its UNSHARD: wait for the gather
             self.stages[stage] = gathering.wait(f"rank {self.rank}: stage {stage} waiting for its UNSHARD")
@@ -355,6 +419,35 @@ class RankRuntime:
             return torch.stack(state.losses).sum() * self.loss_scale
         return None
 
+    def timeline(
+        self,
+        step: int,
+        watch: Stopwatch,
+        records: Sequence[ActionRecord],
+        loss: torch.Tensor | None,
+        *,
+        rank: int | None = None,
+        **fields: object,
+    ) -> StepTimeline:
+        """The last step's :class:`StepTimeline`: ``records`` (from ``run_step``'s ``on_action``) at the device's
+        times of their marks on ``watch``, whose first and last marks are the step's start and end (the one wait
+        for the device a step makes), collectives as they ran on their stream. ``rank``: the process's global rank
+        (default: the pipeline rank); ``fields`` go to the timeline."""
+        times = watch.device_ns()
+        timed = tuple(
+            replace(r, start_ns=times[a], end_ns=times[b], host_start_ns=r.start_ns, host_end_ns=r.end_ns)
+            for r, (a, b) in zip(records, self.action_marks, strict=True)
+        )
+        return StepTimeline(
+            rank=self.rank if rank is None else rank,
+            step=step,
+            start_ns=times[0],
+            end_ns=times[-1],
+            records=collective_records(timed, self.collective_times),
+            loss=None if loss is None else float(loss),
+            **fields,  # type: ignore[arg-type]
+        )
+
     def _stage_input(
         self, state: _StepState, stage: int, mb: int, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> list[torch.Tensor]:
@@ -394,13 +487,14 @@ class RankRuntime:
         flags = self._graphs(stage).input_requires_grad
         return [g for g, needed in zip(grads, flags, strict=False) if needed and g is not None]
 
-    def _graphs(self, stage: int) -> StageGraphs:
+    def _graphs(self, stage: int) -> StageLayout:
         exe = self.stages.get(stage)
         return exe.graphs if exe is not None else self.sharded[stage].graphs
 
-    def _split(self, stage: int) -> BWSplit:
+    def _split(self, stage: int) -> object:
+        """The B/W split the multiplexer merges with the forward (an emulated stage has none)."""
         exe = self.stages.get(stage)
-        return exe.split if exe is not None else self.sharded[stage].split
+        return getattr(exe, "split", None) if exe is not None else self.sharded[stage].split
 
     def _overlap(
         self, action: Action, state: _StepState, microbatches: list[tuple[torch.Tensor, torch.Tensor]]

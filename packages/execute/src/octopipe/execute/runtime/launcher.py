@@ -43,6 +43,7 @@ from octopipe.execute.runs import (
     precision_problem,
     weights_problem,
 )
+from octopipe.execute.runtime.emulate import emulation_problem
 from octopipe.execute.runtime.pinning import shared_cores
 from octopipe.execute.runtime.tensor_parallel import split_problem
 from octopipe.execute.runtime.worker import worker_main
@@ -87,17 +88,14 @@ def run_local_many(
             "plans run together must need the same number of processes (pipeline ranks x dp): "
             f"{[mesh.world_size for mesh in meshes]}"
         )
-    problem = next(filter(None, map(precision_problem, plans)), "")
-    problem = problem or next((p for plan in plans if (p := optimization_problem(plan, options.optimization))), "")
-    problem = problem or next((p for plan in plans if (p := weights_problem(plan, options.weights))), "")
-    problem = problem or next(filter(None, map(split_problem, plans)), "")  # tp / cp the model cannot take
-    if options.weights is not None and options.weights.export and len(plans) > 1:
-        problem = problem or "export the weights of one plan at a time: run_local_many ran several"
-    problem = problem or gpu_problem(options.device, world, len(visible_gpus()))  # before any rank starts
+    if options.emulate is not None:  # nothing is built or computed: what emulation cannot take, and memory
+        problem = emulation_problem(plans, options.emulate, options)
+    else:
+        problem = _model_problem(plans, options, world)
     if problem:
         raise ValueError(problem)
     log = structlog.get_logger("octopipe.launcher")
-    sharing = shared_cores(world, options.cpus) if options.pin_cores else ""
+    sharing = shared_cores(world, options.cpus) if options.pin_cores and options.emulate is None else ""
     if sharing and options.strict_pinning:
         raise ValueError(f"{sharing}: run fewer ranks, give more cores, or drop strict pinning")
     if sharing:
@@ -148,6 +146,17 @@ def run_local_many(
     return merged
 
 
+def _model_problem(plans: Sequence[plan_pb2.Plan], options: RunOptions, world: int) -> str:
+    """Why the plans' model cannot run as ``options`` say ('' when it can), before any rank starts."""
+    problem = next(filter(None, map(precision_problem, plans)), "")
+    problem = problem or next((p for plan in plans if (p := optimization_problem(plan, options.optimization))), "")
+    problem = problem or next((p for plan in plans if (p := weights_problem(plan, options.weights))), "")
+    problem = problem or next(filter(None, map(split_problem, plans)), "")  # tp / cp the model cannot take
+    if options.weights is not None and options.weights.export and len(plans) > 1:
+        problem = problem or "export the weights of one plan at a time: run_local_many ran several"
+    return problem or gpu_problem(options.device, world, len(visible_gpus()))
+
+
 def merge_results(
     plans: Sequence[plan_pb2.Plan], results: Sequence[list[dict[str, Any]]], wall_s: float = 0.0
 ) -> list[RunResult]:
@@ -166,7 +175,12 @@ def merge_results(
         ]
         last = [results[r][index]["losses"] for r in ends]
         losses = [sum(step) / len(ends) for step in zip(*last, strict=True)] if len(ends) > 1 else list(last[0])
-        result = RunResult(losses=losses, wall_s=wall_s, grad_norms=list(results[0][index].get("grad_norms", [])))
+        result = RunResult(
+            losses=losses,
+            wall_s=wall_s,
+            grad_norms=list(results[0][index].get("grad_norms", [])),
+            emulated=bool(results[0][index].get("emulated", False)),
+        )
         for per_rank in results:
             entry = per_rank[index]
             result.grads.update(entry["grads"])

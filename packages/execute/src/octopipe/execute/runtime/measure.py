@@ -56,13 +56,15 @@ def timelines_to_proto(result: RunResult) -> list[profile_pb2.RankTimeline]:
 def measured_trace_events(
     result: RunResult, *, step: int, pid_offset: int = MEASURED_PID_OFFSET
 ) -> list[dict[str, Any]]:
-    """Chrome trace events of one measured step: a process per rank, a track per stream, a memory counter."""
+    """Chrome trace events of one measured step: a process per rank, a track per stream, a memory counter.
+    An emulated run's ranks are named "emulated rank r" (``RunResult.emulated``)."""
     origin = _step_origin(result, step)
+    label = "emulated" if result.emulated else "measured"
     events: list[dict[str, Any]] = []
     tids = {"compute": 0, "collective": 1, "send": 2, "recv": 3}
     for rank in sorted(result.timelines):
         pid = pid_offset + rank
-        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"measured rank {rank}"}})
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"{label} rank {rank}"}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
         for stream, tid in tids.items():
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": stream}})
@@ -71,7 +73,7 @@ def measured_trace_events(
             events.append(
                 {
                     "name": record.action,
-                    "cat": f"measured {record.stream}",
+                    "cat": f"{label} {record.stream}",
                     "ph": "X",
                     "pid": pid,
                     "tid": tids[record.stream],
@@ -86,7 +88,8 @@ def measured_trace_events(
 
 
 def side_by_side_trace(simulation: Simulation | None, result: RunResult, *, step: int) -> dict[str, Any]:
-    """One trace: the simulator's ranks ("rank r") above the measured ones ("measured rank r")."""
+    """One trace: the simulator's ranks ("simulated rank r") above the measured ones ("measured rank r", or
+    "emulated rank r" for an emulated run)."""
     trace: dict[str, Any] = to_chrome_trace(simulation) if simulation is not None else {"traceEvents": []}
     for event in trace["traceEvents"]:
         if event.get("name") == "process_name" and event.get("ph") == "M":

@@ -25,7 +25,6 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Protocol
 
 import structlog
 import torch
@@ -33,12 +32,20 @@ import torch.distributed as dist
 
 from octopipe.capture import StageModule
 from octopipe.execute.processes import die_with_parent
-from octopipe.execute.runs import ABORT_KEY, PLAN_KEY, ActionRecord, StepTimeline, WorkerConfig, same_layout
+from octopipe.execute.runs import (
+    ABORT_KEY,
+    PLAN_KEY,
+    ActionRecord,
+    StepEvents,
+    StepTimeline,
+    WorkerConfig,
+    same_layout,
+)
 from octopipe.execute.runtime.checkpoint import load_checkpoint
 from octopipe.execute.runtime.checkpointer import Checkpointer
-from octopipe.execute.runtime.collective_stream import collective_records
 from octopipe.execute.runtime.comm import Channels, channel_groups, program_channels
 from octopipe.execute.runtime.data import with_data
+from octopipe.execute.runtime.emulate import run_emulated_plan
 from octopipe.execute.runtime.interpreter import RankRuntime
 from octopipe.execute.runtime.memory import MemoryMeasurement, resident_bytes
 from octopipe.execute.runtime.mesh import MeshRank
@@ -72,12 +79,6 @@ from octopipe.transform.inductor import compiled_tolerance, stage_backend
 __all__ = ["StepEvents", "publish_plan", "worker_main"]
 
 
-class StepEvents(Protocol):
-    """Where a rank reports each completed step (a multiprocessing queue)."""
-
-    def put(self, item: StepTimeline, /) -> None: ...
-
-
 class _Recorder:
     """Collects each action's record; can fail after a given number of actions (fault tests)."""
 
@@ -104,7 +105,7 @@ def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
     if config.die_with_parent:
         die_with_parent()
     cores: list[int] = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if config.pin_cores:  # from the machine's online CPUs (or config.cpus), never from the inherited mask
+    if config.pin_cores and not config.emulate:  # from the online CPUs (or config.cpus), not the inherited mask
         cores, warning = pin_rank(rank, config.cpus)
         if warning:
             structlog.get_logger("octopipe.worker").warning("rank_pinning", rank=rank, problem=warning)
@@ -196,6 +197,9 @@ def _measure_memory(
 def _run(
     config: WorkerConfig, store: dist.TCPStore, events: StepEvents | None, device: Device
 ) -> list[dict[str, object]]:
+    if config.emulate:  # no model, no optimizer: the programs with emulated computations (runtime.emulate)
+        plans = [plan_pb2.Plan.FromString(data) for data in config.plans]
+        return [run_emulated_plan(config, plan, store, device, i, events) for i, plan in enumerate(plans)]
     # one per run: a plan switch that keeps a stage's layers reuses its graphs
     compiler = StageCompiler(backend=stage_backend(config.compile), fallback=config.compile_fallback)
     checkpointer = None
@@ -377,29 +381,20 @@ def _run_plan(
         weights.publish()
         runtime.zero_grads()
         # the one wait for the device a step makes: after the update was queued, to read the step's times
-        times = watch.device_ns()
-        records = tuple(
-            replace(r, start_ns=times[a], end_ns=times[b], host_start_ns=r.start_ns, host_end_ns=r.end_ns)
-            for r, (a, b) in zip(recorder.records, runtime.action_marks, strict=True)
-        )
-        records = collective_records(records, runtime.collective_times)
-        if loss is not None:
-            losses.append(float(loss))
-        saved = None  # the step whose checkpoint starts now (asynchronous: committed later)
-        if checkpointer is not None and (step + 1) % config.checkpoint_every == 0:
-            checkpointer.save(step + 1, weights.optimized, optimizer, suffix=suffix)
-            saved = step + 1
-        timeline = StepTimeline(
+        timeline = runtime.timeline(
+            step,
+            watch,
+            recorder.records,
+            loss,
             rank=rank,
-            step=step,
-            start_ns=times[0],
-            end_ns=times[-1],
-            records=records,
-            loss=None if loss is None else float(loss),
             plan_switches=switches,
-            checkpoint=saved,
             stage_backends=notes if step == config.start_step else (),
         )
+        if loss is not None:
+            losses.append(float(loss))
+        if checkpointer is not None and (step + 1) % config.checkpoint_every == 0:
+            checkpointer.save(step + 1, weights.optimized, optimizer, suffix=suffix)
+            timeline = replace(timeline, checkpoint=step + 1)  # the step whose checkpoint starts now
         timelines.append(timeline)
         if events is not None:
             events.put(timeline)
