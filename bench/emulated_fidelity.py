@@ -86,7 +86,7 @@ def library_plans(profile: profile_pb2.Profile, p: int, m: int) -> tuple[list[pl
 def tuned_plan(profile: profile_pb2.Profile, p: int, m: int, budget_s: float) -> plan_pb2.Plan:
     config = TuneConfig(num_ranks=p, num_microbatches=m, time_budget_s=budget_s, default_link=local_link(profile))
     plan = tune(profile, config).plan
-    plan.name = f"tuned-{plan.name}"
+    plan.name = plan.name if plan.name.startswith("tuned") else f"tuned-{plan.name}"
     plan.labels["schedule"] = "tuned"
     return plan
 
