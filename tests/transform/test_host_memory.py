@@ -5,6 +5,7 @@ Each check runs in a fresh interpreter: the policy acts on the whole process."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -45,10 +46,13 @@ def test_reuse_keeps_freed_blocks_so_a_layers_steady_steps_fault_no_pages() -> N
     assert applied  # glibc on this machine
     # under the C library's defaults most steps map (and fault in) megabytes afresh, for as long as it runs
     assert sum(system[1:]) > 50_000 and sum(system[-4:]) > 10_000, system
-    # kept for reuse: after the first step the same blocks serve the later ones; the heap grows now and then
-    # (fragmentation) and settles
-    assert sum(reuse[1:]) < 0.15 * sum(system[1:]), (reuse, system)
-    assert sum(reuse[-4:]) < 0.1 * sum(system[-4:]), (reuse, system)
+    # kept for reuse: after the heap has grown to the step's size (two steps), the same blocks serve the later
+    # steps. The heap still grows by one 16 MiB block now and then (fragmentation), at a step that varies from
+    # run to run on a busy machine (six runs beside the test suite: one to three such steps among steps 2-11,
+    # anywhere): so the claim is the typical steady step, which faults nothing, not any particular one
+    steady, baseline = reuse[2:], statistics.median(system[2:])
+    assert statistics.median(steady) < 0.01 * baseline, (reuse, system)
+    assert sum(f < 0.01 * baseline for f in steady) >= 0.6 * len(steady), (reuse, system)
 
 
 def test_policies_and_refusals() -> None:
