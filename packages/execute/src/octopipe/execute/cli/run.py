@@ -15,7 +15,7 @@ from octopipe.execute.cli.jsonout import estimate_json, print_json
 from octopipe.execute.cli.profile import load_profile, save_profile
 from octopipe.execute.cli.progress import spinner
 from octopipe.execute.cli.torchrun import torchrun_rank
-from octopipe.execute.devices import RUN_DEVICES
+from octopipe.execute.devices import RUN_DEVICES, is_gpu
 from octopipe.execute.runs import RunOptions
 from octopipe.ir import load_plan
 from octopipe.plan.v1 import plan_pb2
@@ -114,7 +114,7 @@ def _emulate(plan: plan_pb2.Plan, args: argparse.Namespace) -> int:
         write_side_by_side_trace,
     )
 
-    if args.torchrun or args.device != "cpu" or args.profile:
+    if args.torchrun or is_gpu(args.device) or args.profile:
         raise ValueError(
             "--emulate runs local CPU ranks and simulates its own profile: drop --torchrun, --device and --profile"
         )

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from octopipe.execute.devices import is_gpu
 from octopipe.execute.runs import ABORT_KEY, ActionRecord, RunOptions, StepEvents, WorkerConfig
 from octopipe.execute.runtime.comm import BufferSpec, Channels, channel_groups, program_channels
 from octopipe.execute.runtime.interpreter import RankRuntime, StageRunner
@@ -272,7 +273,7 @@ def emulation_problem(
     unsupported = [
         name
         for name, given in (
-            ("device", options.device != "cpu"),
+            ("device", is_gpu(options.device)),
             ("weights", options.weights is not None),
             ("data", options.data is not None),
             ("checkpoints", bool(options.checkpoint_every or options.resume)),
