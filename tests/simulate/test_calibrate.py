@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from octopipe.ir import action_to_proto, parse_action
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import (
+    BOUNDS,
     CostModel,
     Link,
+    MessageCpu,
+    RuntimeCosts,
     StageCost,
     calibrate_profile,
     fit_link_latency,
+    fit_message_costs,
+    fit_term,
+    probe_bounds,
     simulate,
     with_link_latency,
 )
@@ -83,11 +91,38 @@ def test_fit_link_latency_reproduces_a_measured_step() -> None:
     free = simulate(plan, costs).estimate.step_time_us
     slow = simulate(plan, with_link_latency(costs, 7.0)).estimate.step_time_us
     assert slow > free
-    latency = fit_link_latency(plan, costs, slow, tolerance_us=0.01)
-    assert latency == pytest.approx(7.0, abs=0.02)
-    assert fit_link_latency(plan, costs, free / 2) == 0.0  # faster than free messages: nothing to add
+    latency = fit_link_latency(plan, costs, slow, bounds=(0.0, 100.0), tolerance_us=0.01)
+    assert latency.value == pytest.approx(7.0, abs=0.02) and not latency.clamped
+    assert (latency.low, latency.high) == (0.0, 100.0)
+    held = fit_link_latency(plan, costs, free / 2, bounds=(0.0, 100.0))  # faster than free messages
+    assert held.value == 0.0 and held.clamped
     with pytest.raises(ValueError, match="> 0"):
-        fit_link_latency(plan, costs, 0.0)
+        fit_link_latency(plan, costs, 0.0, bounds=(0.0, 100.0))
+
+
+def test_calibration_never_gives_the_link_a_latency_outside_the_probe_bounds() -> None:
+    """A step far longer than any message can explain: the receive-side CPU term and the link latency are each
+    held at their bound and say so; the link stays within 2x of the probe."""
+    plan = one_f_one_b(2, 4)
+    costs = CostModel.uniform(
+        num_stages=2, stage=StageCost(forward_us=10.0, full_backward_us=20.0, output_bytes=0), link=Link()
+    )
+    probe = Link(latency_us=50.0, bandwidth_bytes_per_second=1e9)
+    assert probe_bounds(probe) == (25.0, 100.0)
+    free = simulate(plan, costs).estimate.step_time_us
+    receive, latency = fit_message_costs(plan, costs, free * 1000, probe=probe)
+    assert receive.clamped and receive.value == BOUNDS["message_fixed_us"][1]
+    assert latency.clamped and latency.value == 100.0 and (latency.low, latency.high) == (25.0, 100.0)
+    # a step the probed link plus some CPU per message explains: the CPU term takes it, the link keeps its probe
+    truth = dataclasses.replace(
+        with_link_latency(costs, 50.0), runtime=RuntimeCosts(recv_cpu=MessageCpu(fixed_us=300.0))
+    )
+    measured = simulate(plan, truth).estimate.step_time_us
+    receive, latency = fit_message_costs(plan, costs, measured, probe=probe)
+    assert receive.value == pytest.approx(300.0, abs=1.0) and not receive.clamped
+    assert latency.value == 50.0 and not latency.clamped
+    with pytest.raises(ValueError, match="bounds must be finite"):
+        fit_term(plan, costs, measured, name="x", apply=with_link_latency, bounds=(5.0, 1.0))
 
 
 def test_a_stage_whose_input_needs_no_gradient_scales_i_and_w_together() -> None:

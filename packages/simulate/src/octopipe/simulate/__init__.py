@@ -36,7 +36,16 @@ from octopipe.ir.errors import (
     MissingInputError,
     VerificationError,
 )
-from octopipe.simulate.calibrate import Calibration, calibrate_profile, fit_link_latency, with_link_latency
+from octopipe.simulate.calibrate import (
+    Calibration,
+    calibrate_profile,
+    fit_link_latency,
+    fit_message_costs,
+    fit_term,
+    probe_bounds,
+    with_link_latency,
+    with_receive_cpu,
+)
 from octopipe.simulate.collectives import (
     GroupLinks,
     all_gather_us,
@@ -60,6 +69,7 @@ from octopipe.simulate.estimate import Estimate, PathStep, RankEstimate
 from octopipe.simulate.exposure import exposed_collective_us
 from octopipe.simulate.local import LOCAL_GLOO_LINK, local_cost_model, local_link
 from octopipe.simulate.profiles import uniform_profile
+from octopipe.simulate.runtime_costs import BOUNDS, DISPATCHED_KINDS, FittedTerm, MessageCpu, RuntimeCosts
 from octopipe.simulate.simulator import ActionTiming, Simulation, SimulationConfig, simulate, verify_plan
 from octopipe.simulate.tensor_parallel import ParallelTraffic, layer_traffic, split_layer, traffic_us
 from octopipe.simulate.trace import plot_timeline, to_chrome_trace, write_chrome_trace
@@ -70,6 +80,8 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "BOUNDS",
+    "DISPATCHED_KINDS",
     "LOCAL_GLOO_LINK",
     "Action",
     "ActionCountError",
@@ -79,16 +91,19 @@ __all__ = [
     "CostModel",
     "DeadlockError",
     "Estimate",
+    "FittedTerm",
     "GroupLinks",
     "Link",
     "MemoryCapError",
     "MeshSpec",
+    "MessageCpu",
     "MissingInputError",
     "OverlapModel",
     "ParallelTraffic",
     "PathStep",
     "PlanError",
     "RankEstimate",
+    "RuntimeCosts",
     "Simulation",
     "SimulationConfig",
     "StageCost",
@@ -105,6 +120,8 @@ __all__ = [
     "durations_from_timelines",
     "exposed_collective_us",
     "fit_link_latency",
+    "fit_message_costs",
+    "fit_term",
     "format_action",
     "format_grid",
     "layer_traffic",
@@ -118,6 +135,7 @@ __all__ = [
     "plan_to_text",
     "plan_to_torch_csv",
     "plot_timeline",
+    "probe_bounds",
     "rank_actions",
     "reduce_scatter_us",
     "save_plan",
@@ -132,5 +150,6 @@ __all__ = [
     "validate_plan",
     "verify_plan",
     "with_link_latency",
+    "with_receive_cpu",
     "write_chrome_trace",
 ]

@@ -47,9 +47,14 @@ from dataclasses import dataclass
 
 from octopipe.ir.actions import ActionKind
 from octopipe.ir.program import (
+    COMPUTE,
     OVERLAP,
+    RECV_B,
+    RECV_F,
     REDUCE_GRAD,
     RESHARD,
+    SEND_B,
+    SEND_F,
     UNSHARD,
     B,
     F,
@@ -74,9 +79,18 @@ _KINDS: dict[int, ActionKind] = {
 }
 
 
+_P2P: dict[int, ActionKind] = {
+    SEND_F: ActionKind.SEND_F,
+    RECV_F: ActionKind.RECV_F,
+    SEND_B: ActionKind.SEND_B,
+    RECV_B: ActionKind.RECV_B,
+}
+
+
 @dataclass(eq=False)
 class Bound:
-    """Per step: duration, activation bytes allocated at its start and freed at its end (compute),
+    """Per step: duration (a compute action's includes what posting the SENDs and RECVs after it costs the
+    program, ``_fold_posting``), activation bytes allocated at its start and freed at its end (compute),
     other bytes taken (+) or given back (-) at its start (``unsharded``: UNSHARD to RESHARD, unsharded
     gradients) and given back at its end (``released``: gradients after REDUCE_GRAD); per transfer:
     duration and bytes; per rank: static bytes."""
@@ -105,8 +119,9 @@ def bind(program: Program, costs: CostModel) -> Bound:
         raise ValueError(
             f"the cost model has {len(costs.stages)} stages but the plan has {num_stages}: give one StageCost per stage"
         )
+    # a compute action's work plus the runtime's dispatch of it (CostModel.action_us; collectives: their time)
     table: dict[tuple[int, int], float] = {
-        (s, code): costs.duration_us(s, kind) for s in range(num_stages) for code, kind in _KINDS.items()
+        (s, code): costs.action_us(s, kind) for s in range(num_stages) for code, kind in _KINDS.items()
     }
     a2a = [0.0] * num_stages
     mesh = program.plan.mesh if program.plan.HasField("mesh") else None
@@ -145,8 +160,12 @@ def bind(program: Program, costs: CostModel) -> Bound:
         for stage in exchange.stages:
             tied_bytes[stage] += exchange.size_bytes
     overlap_cache: dict[tuple[int, int, int], float] = {}
+    overlap_dispatch = costs.runtime.dispatch(ActionKind.OVERLAP_F_B)
+    posting = not costs.runtime.is_zero
+    outputs = [stage.output_bytes for stage in costs.stages]
+    transfer_bytes = [outputs[s] for s in program.boundary_stage]
     durations, allocs, frees, unsharded, scratch = [], [], [], [], []
-    for row in program.labels:
+    for rank, row in enumerate(program.labels):
         accumulating: set[int] = set()
         d_row = [0.0] * len(row)
         a_row = [0] * len(row)
@@ -176,7 +195,7 @@ def bind(program: Program, costs: CostModel) -> Bound:
                 if key not in overlap_cache:
                     unit = costs.overlap_us(label[1], label[4], _KINDS[label[3]])
                     exchanged = exchange_f[label[1]] + exchange_b[label[4]]
-                    overlap_cache[key] = exchanged if exchanged > unit else unit
+                    overlap_cache[key] = (exchanged if exchanged > unit else unit) + overlap_dispatch
                 d_row[step] = overlap_cache[key]
                 a_row[step] = saved[label[1]] + (kept[label[4]] if label[3] == I else 0)
                 f_row[step] = frees_by_kind[label[3]][label[4]]
@@ -193,19 +212,19 @@ def bind(program: Program, costs: CostModel) -> Bound:
                     u_row[step] = unsharded_bytes[label[1]]
             elif kind == RESHARD:
                 u_row[step] = -unsharded_bytes[label[1]]
+        if posting:
+            _fold_posting(row, d_row, [program.transfer_of[rank], transfer_bytes], costs)
         durations.append(d_row)
         allocs.append(a_row)
         frees.append(f_row)
         unsharded.append(u_row)
         scratch.append(s_row)
-    outputs = [stage.output_bytes for stage in costs.stages]
-    transfer_bytes = [outputs[s] for s in program.boundary_stage]
     link_cache: dict[tuple[int, int, int], float] = {}
     transfer_us = []
     for (source, _), (destination, _), size in zip(program.sender, program.receiver, transfer_bytes, strict=True):
         key = (source, destination, size)
         if key not in link_cache:
-            link_cache[key] = costs.link(source, destination).transfer_us(size)
+            link_cache[key] = costs.message_us(source, destination, size)
         transfer_us.append(link_cache[key])
     static = [0] * program.num_ranks
     released = [[0] * len(row) for row in program.labels]
@@ -387,3 +406,24 @@ def _tied_tail(program: Program, costs: CostModel) -> tuple[float, tuple[int, ..
             tail_us += max((costs.link(source, r).transfer_us(size) for r in others), default=0.0)
             held += size
     return tail_us, (held,) * ranks
+
+
+def _fold_posting(row: list[tuple[int, ...]], d_row: list[float], where: list[list[int]], costs: CostModel) -> None:
+    """Charge what posting each SEND and RECV costs the rank's program (``CostModel.posting_us``: the runtime's
+    dispatch of it and its share of the message's CPU work) to the compute action before it, whose end the
+    post then follows (a SEND leaves after its own posting); posts before the first compute action delay
+    that action. ``where``: the row's transfer ids and every transfer's bytes."""
+    transfer_of, transfer_bytes = where
+    last, pending = -1, 0.0
+    for step, label in enumerate(row):
+        kind = label[0]
+        if kind in _P2P:
+            cost = costs.posting_us(_P2P[kind], transfer_bytes[transfer_of[step]])
+            if last >= 0:
+                d_row[last] += cost
+            else:
+                pending += cost
+        elif kind in COMPUTE:
+            if last < 0:
+                d_row[step] += pending
+            last = step

@@ -15,18 +15,21 @@ factor when the run split the backward (both by measured (I + W) / profiled
 both halves' work), else both by measured B / profiled (I + W); the fused backward by measured B / profiled fused backward, or when
 the run split it, by the I + W factor.
 
-What the action times do not hold is the cost of each message while the
-ranks compute: on CPU ranks a message waits for its channel thread to get the
-busy core, so a transfer takes far longer than an idle ping-pong says.
-``fit_link_latency`` finds the link latency with which the simulator, fed the
-calibrated costs, reproduces a measured step: one number per run that other
-plans (with more or fewer messages) inherit.
+What the action times do not hold is the runtime's own cost between them:
+its dispatch of each action and each message's CPU work
+(``octopipe.simulate.runtime_costs``). Those are named terms, measured by their
+own micro-bench; calibration may refine a term only within its physical
+bounds (``fit_term``), and the link's latency only within the probe's bounds
+(``fit_link_latency`` with ``probe_bounds``: a factor of 2 either way), so
+the runtime's costs are never passed off as the link's. Each fit reports its
+value, its bounds and whether the data pushed it against one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from octopipe.ir.actions import ActionKind
@@ -34,9 +37,19 @@ from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate.costs import CostModel, durations_from_timelines
 from octopipe.simulate.links import Link
+from octopipe.simulate.runtime_costs import BOUNDS, FittedTerm
 from octopipe.simulate.simulator import SimulationConfig, simulate
 
-__all__ = ["Calibration", "calibrate_profile", "fit_link_latency", "with_link_latency"]
+__all__ = [
+    "Calibration",
+    "calibrate_profile",
+    "fit_link_latency",
+    "fit_message_costs",
+    "fit_term",
+    "probe_bounds",
+    "with_link_latency",
+    "with_receive_cpu",
+]
 
 _F, _I, _W, _B = ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT, ActionKind.FULL_BACKWARD
 
@@ -115,32 +128,106 @@ def with_link_latency(costs: CostModel, latency_us: float) -> CostModel:
     )
 
 
-def fit_link_latency(
-    plan: plan_pb2.Plan, costs: CostModel, measured_step_us: float, *, tolerance_us: float = 1.0
-) -> float:
-    """The link latency with which ``plan``'s simulated step (``costs`` otherwise) equals ``measured_step_us``.
+def probe_bounds(probe: Link, *, factor: float = 2.0) -> tuple[float, float]:
+    """The latencies a calibration may give a link whose probe measured ``probe``: within ``factor`` of the
+    probed latency either way. A message's cost beyond that is the runtime's (``RuntimeCosts``), not the
+    link's."""
+    if factor < 1.0:
+        raise ValueError(f"factor must be >= 1, got {factor}")
+    return probe.latency_us / factor, probe.latency_us * factor
 
-    The step never gets shorter as the latency grows, so a bisection finds it;
-    0 when even free messages give a longer step than measured.
+
+def fit_term(
+    plan: plan_pb2.Plan,
+    costs: CostModel,
+    measured_step_us: float,
+    *,
+    name: str,
+    apply: Callable[[CostModel, float], CostModel],
+    bounds: tuple[float, float],
+    tolerance: float = 1.0,
+) -> FittedTerm:
+    """The value of one cost term (``apply(costs, value)`` sets it) within ``bounds`` with which ``plan``'s
+    simulated step equals ``measured_step_us``.
+
+    The step never gets shorter as the term grows, so a bisection finds it. The fit never leaves the bounds:
+    a step that even the low bound over-predicts gives the low bound, one that even the high bound
+    under-predicts the high bound, each reported ``clamped`` (the rest of the gap is not this term's).
     """
     if not measured_step_us > 0:
         raise ValueError(f"measured_step_us must be > 0, got {measured_step_us}")
-    config = SimulationConfig(enforce_memory_caps=False)
+    low, high = bounds
+    if not 0 <= low <= high < math.inf:
+        raise ValueError(f"{name}: bounds must be finite with 0 <= low <= high, got {bounds}")
+    config = SimulationConfig(enforce_memory_caps=False, critical_path=False)
 
-    def step(latency: float) -> float:
-        return simulate(plan, with_link_latency(costs, latency), config=config).estimate.step_time_us
+    def step(value: float) -> float:
+        return simulate(plan, apply(costs, value), config=config).estimate.step_time_us
 
-    if step(0.0) >= measured_step_us:
-        return 0.0
-    low, high = 0.0, 100.0
-    while step(high) < measured_step_us:
-        low, high = high, high * 4
-        if high > measured_step_us:  # one message can never take longer than the whole step
-            return high
-    while high - low > tolerance_us:
+    at_low = step(low)
+    if at_low >= measured_step_us:  # the data asks for the low bound or less
+        return FittedTerm(name, low, bounds[0], bounds[1], clamped=at_low > measured_step_us)
+    if step(high) < measured_step_us:
+        return FittedTerm(name, high, bounds[0], bounds[1], clamped=True)
+    while high - low > tolerance:
         middle = (low + high) / 2
         if step(middle) < measured_step_us:
             low = middle
         else:
             high = middle
-    return (low + high) / 2
+    return FittedTerm(name, (low + high) / 2, bounds[0], bounds[1])
+
+
+def fit_link_latency(
+    plan: plan_pb2.Plan,
+    costs: CostModel,
+    measured_step_us: float,
+    *,
+    bounds: tuple[float, float],
+    tolerance_us: float = 1.0,
+) -> FittedTerm:
+    """The link latency within ``bounds`` (``probe_bounds(probed link)``) with which ``plan``'s simulated step
+    (``costs`` otherwise) equals ``measured_step_us`` (``fit_term``); held at a bound, and reported so, where
+    the link cannot explain the step."""
+    return fit_term(
+        plan,
+        costs,
+        measured_step_us,
+        name="link.latency_us",
+        apply=with_link_latency,
+        bounds=bounds,
+        tolerance=tolerance_us,
+    )
+
+
+def with_receive_cpu(costs: CostModel, fixed_us: float) -> CostModel:
+    """``costs`` with the runtime's fixed CPU work per message on the receiving end set to ``fixed_us``."""
+    runtime = costs.runtime
+    receive = dataclasses.replace(runtime.recv_cpu, fixed_us=fixed_us)
+    return dataclasses.replace(costs, runtime=dataclasses.replace(runtime, recv_cpu=receive))
+
+
+def fit_message_costs(
+    plan: plan_pb2.Plan, costs: CostModel, measured_step_us: float, *, probe: Link
+) -> tuple[FittedTerm, FittedTerm]:
+    """Refine what a message costs so that ``plan``'s simulated step equals ``measured_step_us``, each term within
+    its bounds: first the runtime's fixed CPU work per message on the receiving end (a message is delivered
+    when the receiving channel thread has taken it; ``BOUNDS["message_fixed_us"]``, from what ``costs``
+    already holds up), with the link at its probed latency; only where that term is held at its bound, the
+    link's latency within ``probe_bounds(probe)``. Returns (receive CPU, link latency), each with its bounds."""
+    probed = with_link_latency(costs, probe.latency_us)
+    low, high = BOUNDS["message_fixed_us"]
+    receive = fit_term(
+        plan,
+        probed,
+        measured_step_us,
+        name="recv_cpu.fixed_us",
+        apply=with_receive_cpu,
+        bounds=(max(low, costs.runtime.recv_cpu.fixed_us), high),
+    )
+    latency = FittedTerm("link.latency_us", probe.latency_us, *probe_bounds(probe))
+    if receive.clamped and receive.value == receive.high:
+        latency = fit_link_latency(
+            plan, with_receive_cpu(probed, receive.value), measured_step_us, bounds=probe_bounds(probe)
+        )
+    return receive, latency

@@ -21,6 +21,7 @@ from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate.collectives import GroupLinks
 from octopipe.simulate.links import Link
+from octopipe.simulate.runtime_costs import RuntimeCosts
 from octopipe.simulate.tensor_parallel import ParallelTraffic, split_layers
 
 __all__ = [
@@ -236,6 +237,11 @@ class CostModel:
 
     ``tied``: parameters several stages hold (see :class:`TiedExchange`),
     which add the step's closing exchange and its buffers.
+
+    ``runtime``: the runtime's own costs (:class:`~octopipe.simulate.runtime_costs.RuntimeCosts`:
+    dispatch per action kind, CPU work per message on each end, the channel threads' share of the
+    rank's core); every consumer reads them through :meth:`action_us`, :meth:`message_us` and
+    :meth:`posting_us`. The default (all 0) times plans without them.
     """
 
     stages: tuple[StageCost, ...]
@@ -248,6 +254,7 @@ class CostModel:
     collectives: GroupLinks | None = None
     bucket_bytes: int | None = None
     tied: tuple[TiedExchange, ...] = ()
+    runtime: RuntimeCosts = field(default_factory=RuntimeCosts)
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -297,7 +304,8 @@ class CostModel:
         A plan whose mesh has tp or cp > 1 gets each stage as one (tensor rank,
         context rank) runs it, with its TP/CP traffic (``stage_cost_from_layers``).
         The Profile's ``collectives`` (per group kind) become ``collectives``,
-        which time them by group size in plans with a mesh.
+        which time them by group size in plans with a mesh; its ``runtime``
+        becomes ``runtime`` (absent: no runtime costs).
         """
         layers = {layer.layer_name: layer for layer in profile.layers}
         stage_layers = [tuple(stage.layer_names) for stage in plan.stages]
@@ -332,6 +340,7 @@ class CostModel:
             microbatch_size=max(1, profile.microbatch_size),
             collectives=GroupLinks.from_profile(profile),
             tied=tied_exchanges(profile.tied_parameters, stage_layers),
+            runtime=RuntimeCosts.from_proto(profile.runtime) if profile.HasField("runtime") else RuntimeCosts(),
         )
 
     def link(self, source: int, destination: int) -> Link:
@@ -350,6 +359,29 @@ class CostModel:
         if override is not None:
             return override
         return self.stages[stage].duration_us(kind)
+
+    def action_us(self, stage: int, kind: ActionKind) -> float:
+        """What one compute action of ``kind`` on ``stage`` costs the rank's program: its work
+        (:meth:`duration_us`) plus the runtime's dispatch of it (``runtime.dispatch_us``)."""
+        return self.duration_us(stage, kind) + self.runtime.dispatch(kind)
+
+    def message_us(self, source: int, destination: int, num_bytes: int) -> float:
+        """One message's time from posted to delivered: the link's latency and bandwidth (the probe's) plus
+        both ends' CPU work for it (``runtime.send_cpu`` / ``recv_cpu``)."""
+        return self.link(source, destination).transfer_us(num_bytes) + self.runtime.message_cpu_us(num_bytes)
+
+    def posting_us(self, kind: ActionKind, num_bytes: int) -> float:
+        """What posting one SEND or RECV costs the rank's program (``RuntimeCosts.posting_us``)."""
+        return self.runtime.posting_us(kind, num_bytes)
+
+    def boundary_us(self, source: int, destination: int, num_bytes: int) -> float:
+        """A boundary tensor's delay as the tuners' dependency graphs see it (one edge from producer to
+        consumer): the sender's posting, the message and the receiver's posting."""
+        return (
+            self.posting_us(ActionKind.SEND_F, num_bytes)
+            + self.message_us(source, destination, num_bytes)
+            + self.posting_us(ActionKind.RECV_F, num_bytes)
+        )
 
     def overlap_us(self, forward_stage: int, backward_stage: int, backward_kind: ActionKind) -> float:
         """The time of an OVERLAP_F_B unit of F on ``forward_stage`` and I or B on ``backward_stage``."""

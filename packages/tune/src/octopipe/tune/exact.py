@@ -129,7 +129,8 @@ class _Model:
         self.num_ranks = max(placement) + 1
         self.ops = [(kind, s, mb) for s in range(self.num_stages) for kind in (_F, _I, _W) for mb in range(m)]
         self.index = {op: i for i, op in enumerate(self.ops)}
-        self.duration = [costs.duration_us(s, kind) for kind, s, _ in self.ops]
+        # the runtime's costs too (CostModel.action_us / boundary_us): the terms the simulator reads
+        self.duration = [costs.action_us(s, kind) for kind, s, _ in self.ops]
         self.edges = self._edges()
         total = sum(self.duration) + sum(delay for _, _, delay in self.edges)
         self.big = min(total, upper * 1.001 + 1.0) if upper is not None else total
@@ -140,7 +141,7 @@ class _Model:
         a, b = self.placement[source_stage], self.placement[destination_stage]
         if a == b:
             return 0.0
-        return self.costs.link(a, b).transfer_us(self.costs.stages[boundary_stage].output_bytes)
+        return self.costs.boundary_us(a, b, self.costs.stages[boundary_stage].output_bytes)
 
     def _edges(self) -> list[tuple[int, int, float]]:
         edges: list[tuple[int, int, float]] = []
@@ -259,7 +260,7 @@ class _Model:
                 assert part.microbatch is not None
                 if part.kind is ActionKind.FULL_BACKWARD:
                     start[self.index[_I, part.stage, part.microbatch]] = timing.start_us
-                    start[self.index[_W, part.stage, part.microbatch]] = timing.start_us + self.costs.duration_us(
+                    start[self.index[_W, part.stage, part.microbatch]] = timing.start_us + self.costs.action_us(
                         part.stage, _I
                     )
                 else:

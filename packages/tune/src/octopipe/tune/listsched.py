@@ -117,15 +117,16 @@ class _Scheduler:
             raise ValueError(f"ranks {empty} have no stage: place at least one stage on every rank")
         split = config.split_backward
         self.back_kind = _I if split else _B
-        self.dur = {(s, kind): costs.duration_us(s, kind) for s in range(self.num_stages) for kind in (_F, _I, _W, _B)}
+        # the runtime's costs too (CostModel.action_us / boundary_us): the terms the simulator reads
+        self.dur = {(s, kind): costs.action_us(s, kind) for s in range(self.num_stages) for kind in (_F, _I, _W, _B)}
         self.send_f = [
-            costs.link(placement[s], placement[s + 1]).transfer_us(costs.stages[s].output_bytes)
+            costs.boundary_us(placement[s], placement[s + 1], costs.stages[s].output_bytes)
             if s + 1 < self.num_stages and placement[s + 1] != placement[s]
             else 0.0
             for s in range(self.num_stages)
         ]
         self.send_b = [
-            costs.link(placement[s], placement[s - 1]).transfer_us(costs.stages[s - 1].output_bytes)
+            costs.boundary_us(placement[s], placement[s - 1], costs.stages[s - 1].output_bytes)
             if s > 0 and placement[s - 1] != placement[s]
             else 0.0
             for s in range(self.num_stages)

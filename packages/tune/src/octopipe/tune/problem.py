@@ -24,6 +24,7 @@ from octopipe.simulate import (
     Estimate,
     Link,
     OverlapModel,
+    RuntimeCosts,
     SimulationConfig,
     StageCost,
     simulate,
@@ -178,6 +179,8 @@ class Evaluator:
         # OVERLAP_F_B units cost F + B by default: overlapping hides communication, not compute
         self.overlap = overlap if overlap is not None else OverlapModel(hidden_fraction=0.0)
         self.model = profile.model
+        # the runtime's own costs, as the simulator reads them from the same profile (CostModel.from_profile)
+        self.runtime = RuntimeCosts.from_proto(profile.runtime) if profile.HasField("runtime") else RuntimeCosts()
         self.precision = profile.precision if profile.HasField("precision") else None
         self.tied = tuple(profile.tied_parameters)
         self.evaluations = 0
@@ -193,6 +196,7 @@ class Evaluator:
             default_link=self.default_link,
             overlap=self.overlap,
             microbatch_size=self.microbatch_size,
+            runtime=self.runtime,
         )
 
     def library_order(self, name: str) -> dict[int, list[Action]] | None:

@@ -41,11 +41,13 @@ from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import (
     CostModel,
+    FittedTerm,
+    RuntimeCosts,
     Simulation,
     SimulationConfig,
     calibrate_profile,
     durations_from_timelines,
-    fit_link_latency,
+    fit_message_costs,
     local_cost_model,
     local_link,
     simulate,
@@ -351,25 +353,34 @@ def compare(
 
 @dataclasses.dataclass(frozen=True)
 class InSitu:
-    """A profile calibrated in situ: per-layer action times and the link latency of the pipelined run."""
+    """A profile calibrated in situ: per-layer action times and what a message of the pipelined run costs."""
 
     profile: profile_pb2.Profile
     #: stage of the first calibration plan -> measured / profiled per kind (simulate.Calibration.factors)
     factors: dict[int, dict[str, float]]
-    #: the link latency each calibration run implies (``simulate.fit_link_latency``), and their median
+    #: the link latency each calibration run implies, within the probe's bounds (``simulate.fit_message_costs``),
+    #: and their median
     latencies_us: tuple[float, ...]
     latency_us: float
+    #: per run, every fitted term with its bounds (receive CPU per message, link latency)
+    fitted: tuple[tuple[FittedTerm, ...], ...] = ()
+    #: the median over runs of the fitted receive CPU per message
+    receive_cpu_us: float = 0.0
 
 
 def calibrate_in_situ(profile: profile_pb2.Profile, runs: Sequence[tuple[plan_pb2.Plan, RunResult]]) -> InSitu:
     """Calibrate ``profile`` with a short run of a few plans (same stages; e.g. 1F1B and ZB-H1).
 
     Layer times: ``simulate.calibrate_profile`` on every run's timelines
-    (warm-up steps left out). Link latency: the median over runs of the
-    latency with which the simulator, fed those times, reproduces the run's
-    median step (``simulate.fit_link_latency``): on CPU ranks a message waits
-    for its channel thread to get the busy core, far longer than an idle probe
-    says. The same calibration serves the tuner, the demo and the closed loop.
+    (warm-up steps left out). Messages: the median over runs of what a message
+    costs beyond the profile's, with which the simulator, fed those times,
+    reproduces the run's median step (``simulate.fit_message_costs``): the
+    runtime's CPU work per message on the receiving end (on CPU ranks a
+    message waits for its channel thread to get the busy core) within its
+    physical bounds, and only past them the link's latency, within 2x of the
+    probed link's. The profile keeps both (``links``, ``runtime``); every fit
+    is reported with its bounds (``InSitu.fitted``). The same calibration
+    serves the tuner, the demo and the closed loop.
     """
     if not runs:
         raise ValueError("give at least one (plan, run) to calibrate with")
@@ -378,13 +389,19 @@ def calibrate_in_situ(profile: profile_pb2.Profile, runs: Sequence[tuple[plan_pb
         raise ValueError("calibration runs must share their stages (e.g. 1F1B and ZB-H1 on the same partition)")
     timelines = [t for _, run in runs for t in timelines_to_proto(run) if t.step > 0 or len(run.losses) == 1]
     calibration = calibrate_profile(profile, runs[0][0], timelines)
-    latencies = tuple(
-        fit_link_latency(plan, local_cost_model(plan, calibration.profile), median_step_time_us(run))
+    probe = local_link(profile)  # the profile's probed link, else the local gloo link's
+    fitted = tuple(
+        fit_message_costs(plan, local_cost_model(plan, calibration.profile), median_step_time_us(run), probe=probe)
         for plan, run in runs
     )
+    latencies = tuple(latency.value for _, latency in fitted)
     latency = statistics.median(latencies)
+    receive = statistics.median(term.value for term, _ in fitted)
     calibrated = calibration.profile
-    bandwidth = local_link(calibrated).bandwidth_bytes_per_second  # the profile's, else the local gloo link's
+    runtime = RuntimeCosts.from_proto(calibrated.runtime) if calibrated.HasField("runtime") else RuntimeCosts()
+    runtime = dataclasses.replace(runtime, recv_cpu=dataclasses.replace(runtime.recv_cpu, fixed_us=receive))
+    calibrated.runtime.CopyFrom(runtime.to_proto(source=calibrated.runtime.source or "calibrated in situ"))
+    bandwidth = probe.bandwidth_bytes_per_second
     del calibrated.links[:]
     ranks = len(runs[0][0].ranks)
     calibrated.links.extend(
@@ -396,4 +413,11 @@ def calibrate_in_situ(profile: profile_pb2.Profile, runs: Sequence[tuple[plan_pb
         if a != b
     )
     calibrated.labels["calibrated_in_situ"] = ",".join(plan.name for plan, _ in runs)
-    return InSitu(profile=calibrated, factors=calibration.factors, latencies_us=latencies, latency_us=latency)
+    return InSitu(
+        profile=calibrated,
+        factors=calibration.factors,
+        latencies_us=latencies,
+        latency_us=latency,
+        fitted=fitted,
+        receive_cpu_us=receive,
+    )
