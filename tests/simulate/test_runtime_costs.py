@@ -11,6 +11,7 @@ from octopipe.ir import ActionKind
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import (
     BOUNDS,
+    DISPATCHED_KINDS,
     CostModel,
     Link,
     MessageCpu,
@@ -123,6 +124,11 @@ def test_the_profile_carries_the_terms_and_every_model_built_from_it_reads_them(
     message = runtime.to_proto(source="test")
     assert RuntimeCosts.from_proto(profile_pb2.RuntimeCost.FromString(message.SerializeToString())) == runtime
     assert runtime.terms()["dispatch_us.F"] == 3.0 and runtime.terms()["recv_cpu.fixed_us"] == 4.0
+    assert RuntimeCosts.from_terms(runtime.terms()) == dataclasses.replace(
+        runtime, dispatch_us={kind: runtime.dispatch(kind) for kind in DISPATCHED_KINDS}
+    )
+    with pytest.raises(ValueError, match="unknown runtime cost terms"):
+        RuntimeCosts.from_terms({"dispatch_us.UNSHARD": 1.0})
     plan = zb_h1(2, 4, layer_names=[["l0"], ["l1"]])
     profile = uniform_profile(plan)
     without = local_cost_model(plan, profile)

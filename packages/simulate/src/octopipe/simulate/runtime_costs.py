@@ -22,8 +22,9 @@ default, so costs built before these terms time plans exactly as before.
 
 The bounds (``BOUNDS``) are physical, not statistical: a dispatch longer than 5 ms or a per-message
 fixed cost above 5 ms would be a runtime bug, not a cost to model; a per-MiB cost above 2000 us means
-a copy slower than 0.5 GB/s, below any memory system a rank runs on. A fit (``fit_runtime_costs``)
-may only move a term within them and reports each term with its bounds.
+a copy slower than 0.5 GB/s, below any memory system a rank runs on. A fit (the micro-bench,
+``octopipe.execute.runtime.runtime_costs``; calibration, ``octopipe.simulate.calibrate``) may only move a
+term within them and reports each term with its bounds (:class:`FittedTerm`).
 """
 
 from __future__ import annotations
@@ -147,6 +148,25 @@ class RuntimeCosts:
         message.receive.fixed_us, message.receive.us_per_mib = self.recv_cpu.fixed_us, self.recv_cpu.us_per_mib
         return message
 
+    @classmethod
+    def from_terms(cls, terms: Mapping[str, float]) -> RuntimeCosts:
+        """From terms named as :meth:`terms` names them (a missing term is 0; an unknown name is an error)."""
+        kinds = {f"dispatch_us.{kind.value}": kind for kind in DISPATCHED_KINDS}
+        known = {*kinds, "send_cpu.fixed_us", "send_cpu.us_per_mib", "recv_cpu.fixed_us", "recv_cpu.us_per_mib"}
+        unknown = sorted(set(terms) - known - {"thread_share"})
+        if unknown:
+            raise ValueError(f"unknown runtime cost terms {unknown}: the terms are {sorted(known | {'thread_share'})}")
+        return cls(
+            dispatch_us={kind: terms[name] for name, kind in kinds.items() if name in terms},
+            send_cpu=MessageCpu(
+                fixed_us=terms.get("send_cpu.fixed_us", 0.0), us_per_mib=terms.get("send_cpu.us_per_mib", 0.0)
+            ),
+            recv_cpu=MessageCpu(
+                fixed_us=terms.get("recv_cpu.fixed_us", 0.0), us_per_mib=terms.get("recv_cpu.us_per_mib", 0.0)
+            ),
+            thread_share=terms.get("thread_share", 0.0),
+        )
+
     def terms(self) -> dict[str, float]:
         """Every term by name (``dispatch_us.F``, ``send_cpu.fixed_us``, ...), for reports."""
         out = {f"dispatch_us.{kind.value}": self.dispatch(kind) for kind in DISPATCHED_KINDS}
@@ -170,14 +190,3 @@ class FittedTerm:
 
     def as_dict(self) -> dict[str, object]:
         return {"name": self.name, "value": self.value, "bounds": [self.low, self.high], "clamped": self.clamped}
-
-
-def bound_of(term: str) -> tuple[float, float]:
-    """The physical bounds of a term named as in :meth:`RuntimeCosts.terms`."""
-    if term.startswith("dispatch_us."):
-        return BOUNDS["dispatch_us"]
-    if term.endswith(".fixed_us"):
-        return BOUNDS["message_fixed_us"]
-    if term.endswith(".us_per_mib"):
-        return BOUNDS["message_us_per_mib"]
-    return BOUNDS[term]
