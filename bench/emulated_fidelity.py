@@ -22,14 +22,20 @@ one (p, m) run in one launch, one after the other, ``--steps`` steps each, the f
 ``tuned_over_best_library[]`` (``p``, ``m``, ``predicted``, ``executed``: the tuned plan's throughput over
 the best library schedule's, each by its own measure).
 
+With ``--runtime-costs results/runtime_costs.json`` (``bench/runtime_costs.py``) every profile carries the
+runtime's own costs (``octopipe.simulate.RuntimeCosts``), which the prediction and the tuner read; every cell
+also reports the prediction without them (``predicted_without_runtime_ms``, ``error_without_runtime``).
+
     .venv/bin/python bench/emulated_fidelity.py [--workloads nemotronh-8b jamba-32] [--ranks 4 8 16]
         [--m-factors 2 4] [--time-scale 0.05] [--steps 4] [--warmup 1] [--rounds 1]
+        [--runtime-costs bench/results/runtime_costs.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import statistics
 import subprocess
 import sys
@@ -46,7 +52,7 @@ from octopipe.execute.runtime import RunOptions, measured_step_times_us, run_loc
 from octopipe.execute.runtime.linkprobe import measure_link
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
-from octopipe.simulate import local_cost_model, local_link, simulate
+from octopipe.simulate import RuntimeCosts, local_cost_model, local_link, simulate
 from octopipe.tune import DEFAULT_SCHEDULES, TuneConfig, equal_partition, tune
 
 OUT = Path(__file__).parent / "results" / "emulated_fidelity.json"
@@ -99,6 +105,10 @@ def cell(
     plans.append(tuned_plan(profile, p, m, args.tune_budget))
     tune_s = time.monotonic() - started
     predicted = {plan.name: simulate(plan, local_cost_model(plan, profile)).estimate.step_time_us for plan in plans}
+    bare = profile_pb2.Profile()
+    bare.CopyFrom(profile)
+    bare.ClearField("runtime")  # the same prediction without the runtime's own costs
+    predicted_bare = {plan.name: simulate(plan, local_cost_model(plan, bare)).estimate.step_time_us for plan in plans}
     executed: dict[str, list[float]] = {plan.name: [] for plan in plans}
     options = RunOptions(steps=args.steps, timeout_s=args.timeout, emulate=profile)
     for round_ in range(args.rounds):
@@ -123,11 +133,14 @@ def cell(
                 "executed_p90_ms": sorted(times)[(9 * len(times)) // 10] / 1e3,
                 "steps": len(times),
                 "error": median / predicted[plan.name] - 1,
+                "predicted_without_runtime_ms": predicted_bare[plan.name] / 1e3,
+                "error_without_runtime": median / predicted_bare[plan.name] - 1,
             }
         )
         print(
             f"  {workload} p={p:2d} m={m:3d} {plan.name:28s} predicted {predicted[plan.name] / 1e3:8.1f} ms  "
-            f"emulated {median / 1e3:8.1f} ms  error {rows[-1]['error']:+.1%}",
+            f"emulated {median / 1e3:8.1f} ms  error {rows[-1]['error']:+.1%} "
+            f"(without the runtime's costs {rows[-1]['error_without_runtime']:+.1%})",
             flush=True,
         )
     library = [r for r in rows if r["schedule"] != "tuned"]
@@ -159,6 +172,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--latency-us", type=float, help="the link's latency (default: probed)")
     parser.add_argument("--bandwidth", type=float, help="the link's bytes/s (default: probed)")
+    parser.add_argument(
+        "--runtime-costs",
+        type=Path,
+        help="results/runtime_costs.json (bench/runtime_costs.py): the runtime's terms, put in every profile",
+    )
     parser.add_argument("--out", type=Path, default=OUT)
     add_arguments(parser, rounds=1, steps=4, warmup=True)
     args = parser.parse_args()
@@ -167,10 +185,15 @@ def main() -> None:
         probed, _ = measure_link()
         args.latency_us = args.latency_us if args.latency_us is not None else probed.latency_us
         args.bandwidth = args.bandwidth if args.bandwidth is not None else probed.bandwidth_bytes_per_second
+    runtime = None
+    if args.runtime_costs is not None:
+        runtime = RuntimeCosts.from_terms(json.loads(args.runtime_costs.read_text())["terms"])
     cells: list[dict[str, Any]] = []
     comparisons: list[dict[str, Any]] = []
     for workload in args.workloads:
         profile = scaled_profile(workload, args.time_scale, args.latency_us, args.bandwidth)
+        if runtime is not None:
+            profile.runtime.CopyFrom(runtime.to_proto(source=str(args.runtime_costs)))
         for p in args.ranks:
             for factor in args.m_factors:
                 rows, comparison = cell(workload, profile, p, factor * p, args)
@@ -194,6 +217,9 @@ def main() -> None:
         "max_abs_error": max(errors),
         "median_abs_error": statistics.median(errors),
         "cells_within_3_percent": sum(e <= 0.03 for e in errors),
+        "runtime_costs": None if runtime is None else {"source": str(args.runtime_costs), "terms": runtime.terms()},
+        "median_abs_error_without_runtime": statistics.median(abs(c["error_without_runtime"]) for c in cells),
+        "max_abs_error_without_runtime": max(abs(c["error_without_runtime"]) for c in cells),
     }
     write_record(args.out, record)
     print(
