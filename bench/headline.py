@@ -107,6 +107,8 @@ def tuned_plan(reference: plan_pb2.ModelReference, args: argparse.Namespace, env
         "predicted_speedup_over_1f1b": tuned.speedup,
         "calibrated_latency_us": in_situ.latency_us,
         "probed_latency_us": link.latency_us,
+        "calibrated_receive_cpu_us": in_situ.receive_cpu_us,
+        "fitted_terms": [[term.as_dict() for term in run] for run in in_situ.fitted],
         "zero_bubble_limit_ms": limit_us / 1e3,
     }
 

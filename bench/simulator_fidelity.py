@@ -164,6 +164,8 @@ def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environm
             "latency_us_per_run": list(in_situ.latencies_us),
             "latency_us": in_situ.latency_us,
             "probed_latency_us": link.latency_us,
+            "receive_cpu_us": in_situ.receive_cpu_us,
+            "fitted_terms": [[term.as_dict() for term in run] for run in in_situ.fitted],
         },
         "rows": rows,
         "noise": noise,
