@@ -538,7 +538,9 @@ class RankRuntime:
         if s == self.num_stages - 1:
             (loss,) = outputs
             state.losses.append(loss)
-            state.output_grads[(s, mb)] = [self.loss_scale.to(loss.dtype)]  # as autograd casts it for a bf16 loss
+            # the seed of the backward on the loss's device (a CPU seed fails a CUDA nll_loss_backward), in its
+            # dtype as autograd casts it for a bf16 loss
+            state.output_grads[(s, mb)] = [self.loss_scale.to(device=loss.device, dtype=loss.dtype)]
         else:
             state.outputs[(s, mb)] = outputs
 
