@@ -12,7 +12,7 @@
 # gpu_check.log (this script's output) and gpu_check_{tests,plans,split}.log.
 #
 # Environment: OUT; GPU_CHECK_DEVICE (cuda, or cpu to check the script on a CPU machine);
-# GPU_CHECK_TIMEOUT (seconds for gpu_check.py, default 390; its parts get 30 s less);
+# GPU_CHECK_TIMEOUT (seconds for gpu_check.py, default 480; its parts get 30 s less);
 # GPU_CHECK_ARGS (more arguments for gpu_check.py); PYTHON (default python3); SITE (default /tmp/site).
 #
 # Exit status: gpu_check.py's (0 every part ran and every goal held, 1 a goal failed, 2 no GPU,
@@ -113,7 +113,7 @@ EOF
 }
 
 main() {
-  local device="${GPU_CHECK_DEVICE:-cuda}" limit="${GPU_CHECK_TIMEOUT:-390}" code started
+  local device="${GPU_CHECK_DEVICE:-cuda}" limit="${GPU_CHECK_TIMEOUT:-480}" code started
   export SITE="${SITE:-/tmp/site}"
   echo "gpu_check.sh: $(date -u +%FT%TZ) on $(hostname 2>/dev/null || uname -n), checkout $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
