@@ -4,6 +4,8 @@ waiting for its profiled duration, so 4-rank plans run on a 2-core machine (``ru
 from __future__ import annotations
 
 import ast
+import ctypes
+import sys
 import time
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from octopipe.execute.runtime import RunOptions, emulation_problem, run_local
-from octopipe.execute.runtime.emulate import emulated_stages
+from octopipe.execute.runtime.emulate import emulated_stages, tighten_timer_slack
 from octopipe.ir import ActionKind, compile_plan, parse_action
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
@@ -128,3 +130,11 @@ def test_an_emulated_stage_holds_the_profiled_bytes_and_waits_its_profiled_time(
     assert [t.nbytes for t in wctx.tensors or []] == [ACTIVATION // 2]  # ... and keeps W's half
     assert grads[1] is None and grads[0] is not None and grads[0].nbytes == BOUNDARY  # sent back: stage 0's output
     assert last.backward_weight(wctx) == [] and wctx.tensors is None
+
+
+def test_emulated_computations_sleep_with_a_tight_timer_slack() -> None:
+    """On Linux the program thread's sleeps wake within 1 ns of the deadline (PR_SET_TIMERSLACK), so an
+    emulated computation is not a 50 us slack longer than its profile says; elsewhere nothing is asked."""
+    assert tighten_timer_slack() is sys.platform.startswith("linux")
+    if sys.platform.startswith("linux"):
+        assert ctypes.CDLL(None).prctl(30, 0, 0, 0, 0) == 1  # PR_GET_TIMERSLACK: this thread's slack, in ns

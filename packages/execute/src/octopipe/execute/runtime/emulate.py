@@ -31,7 +31,9 @@ written timelines, the CLI's line). Not emulated yet: meshes (dp, tp, cp or ep
 
 from __future__ import annotations
 
+import ctypes
 import re
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,10 +69,27 @@ EMULATED_RANK_BYTES = 450 * 2**20
 _MEMORY_SHARE = 0.8
 
 
+#: prctl's option for a thread's timer slack (linux/prctl.h)
+_PR_SET_TIMERSLACK = 29
+
+
 def _bytes(count: int) -> torch.Tensor:
     """A tensor of ``count`` bytes (at least one: gloo sends no empty message), never written: address space,
     not memory, until something writes it."""
     return torch.empty(max(1, count), dtype=torch.uint8)
+
+
+def tighten_timer_slack() -> bool:
+    """Ask Linux to wake this thread's sleeps within 1 ns of their deadline (``PR_SET_TIMERSLACK``) instead of
+    the default 50 us slack, so an emulated computation ends when its profiled time has passed, not a
+    slack later (measured here: a 1 ms sleep overshot by 102 us at the median with the default, 54 us with
+    1 ns). Sleeping still takes no core. Returns whether the kernel took it (False elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _wait_until(deadline_ns: int) -> None:
@@ -331,6 +350,7 @@ def run_emulated_plan(
     costs = local_cost_model(plan, profile)
     program = compile_plan(plan)
     rank = config.rank
+    tighten_timer_slack()  # this thread runs the program: its emulated computations sleep
 
     def aborted() -> str | None:
         return store.get(ABORT_KEY).decode() if store.check([ABORT_KEY]) else None
