@@ -177,6 +177,12 @@ def main() -> None:
         type=Path,
         help="results/runtime_costs.json (bench/runtime_costs.py): the runtime's terms, put in every profile",
     )
+    parser.add_argument(
+        "--thread-share",
+        type=float,
+        default=0.0,
+        help="the runtime terms' thread_share here (default 0: an emulated computation waits, it takes no core)",
+    )
     parser.add_argument("--out", type=Path, default=OUT)
     add_arguments(parser, rounds=1, steps=4, warmup=True)
     args = parser.parse_args()
@@ -187,7 +193,10 @@ def main() -> None:
         args.bandwidth = args.bandwidth if args.bandwidth is not None else probed.bandwidth_bytes_per_second
     runtime = None
     if args.runtime_costs is not None:
-        runtime = RuntimeCosts.from_terms(json.loads(args.runtime_costs.read_text())["terms"])
+        terms = json.loads(args.runtime_costs.read_text())["terms"]
+        # an emulated computation waits rather than computes: the channel threads take nothing from it
+        terms["thread_share"] = args.thread_share
+        runtime = RuntimeCosts.from_terms(terms)
     cells: list[dict[str, Any]] = []
     comparisons: list[dict[str, Any]] = []
     for workload in args.workloads:
