@@ -32,13 +32,14 @@ unless ``--force``, and fails if the ranks did not run on two distinct cores.
 The JSON records the load before and after and each run's rank cores.
 
     .venv/bin/python bench/simulator_fidelity.py [--workloads llama-8 jamba-8 nemotronh-16 moe-ep-4]
-        [--rounds 5] [--steps 2] [--tiny] [--force]
+        [--rounds 5] [--steps 2] [--tiny] [--force] [--runtime-costs bench/results/runtime_costs.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -55,6 +56,7 @@ from octopipe.execute.runtime.linkprobe import measure_link
 from octopipe.execute.runtime.pipeline import calibrate_in_situ, compare, layer_names, profile_reference, tune_reference
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
+from octopipe.simulate import RuntimeCosts
 from octopipe.tune import TuneConfig, dualpipe_v, equal_partition, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_v
 
 M, P = 8, 2
@@ -102,6 +104,9 @@ def percentile(values: list[float], q: float) -> float:
 def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environment) -> dict[str, Any]:
     reference = workload_reference(name, tiny=True, sequence=16) if args.tiny else workload_reference(name)
     profile = profile_reference(reference, num_microbatches=M, num_ranks=P, link=link)
+    if args.runtime_costs is not None:  # the runtime's own terms (bench/runtime_costs.py), as measured
+        terms = json.loads(args.runtime_costs.read_text())["terms"]
+        profile.runtime.CopyFrom(RuntimeCosts.from_terms(terms).to_proto(source=str(args.runtime_costs)))
     timeout = 120.0 if args.tiny else 900.0
     plans = library(reference)
     # in-situ calibration: a short run of the two plain 2-stage plans (1F1B: fused backward; ZB-H1: split)
@@ -226,6 +231,11 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=WORKLOADS)
     add_arguments(parser, rounds=5, steps=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "simulator_fidelity.json")
+    parser.add_argument(
+        "--runtime-costs",
+        type=Path,
+        help="results/runtime_costs.json (bench/runtime_costs.py): the runtime's terms, put in the profile",
+    )
     args = parser.parse_args()
     env = start(parser, args)
     torch.set_num_threads(1)
@@ -237,6 +247,7 @@ def main() -> None:
         "sizes": "tiny" if args.tiny else "standard",
         "rounds": args.rounds,
         "steps": args.steps,
+        "runtime_costs": None if args.runtime_costs is None else str(args.runtime_costs),
         "link": {"latency_us": link.latency_us, "bandwidth_bytes_per_second": link.bandwidth_bytes_per_second},
         "environment": env.finish(),
         "workloads": results,
