@@ -32,8 +32,7 @@ from dataclasses import dataclass
 
 from octopipe.execute.runs import RunOptions, RunResult
 from octopipe.execute.runtime.launcher import run_local_many
-from octopipe.ir import ActionKind, compile_plan, parse_action
-from octopipe.ir.program import OVERLAP
+from octopipe.ir import ActionKind, parse_action
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import BOUNDS, DISPATCHED_KINDS, FittedTerm, Link, MessageCpu, RuntimeCosts, uniform_profile
@@ -71,29 +70,56 @@ class RuntimeCostMeasurement:
         }
 
 
-def dispatch_samples(result: RunResult, plan: plan_pb2.Plan, *, warmup: int = 1) -> dict[ActionKind, list[float]]:
+#: a received boundary: (F: a forward's input, B: a backward's output gradient; stage; micro-batch)
+_Received = tuple[str, int, int]
+
+
+def _consumed(action: str) -> list[_Received]:
+    """What a computation record consumes if its rank received it: each half's forward input (``F``) and
+    backward output gradient (``B``), by stage and micro-batch; read from the record's action alone."""
+    out: list[_Received] = []
+    for part in parse_action(action).computations:
+        direction = "F" if part.kind is ActionKind.FORWARD else "B"
+        out.append((direction, part.stage or 0, part.microbatch or 0))
+    return out
+
+
+def _received(action: str) -> _Received | None:
+    """The boundary a RECV record posts for, or a SEND record sends to (the receiving stage), else None."""
+    parsed = parse_action(action)
+    stage, microbatch = parsed.stage or 0, parsed.microbatch or 0
+    if parsed.kind is ActionKind.RECV_F:
+        return ("F", stage, microbatch)
+    if parsed.kind is ActionKind.RECV_B:
+        return ("B", stage, microbatch)
+    if parsed.kind is ActionKind.SEND_F:
+        return ("F", stage + 1, microbatch)
+    if parsed.kind is ActionKind.SEND_B:
+        return ("B", stage - 1, microbatch)
+    return None
+
+
+def dispatch_samples(result: RunResult, *, warmup: int = 1) -> dict[ActionKind, list[float]]:
     """Per kind, each action's dispatch in microseconds (see the module docstring), steps after ``warmup``.
-    ``plan``: the plan ``result`` ran (its program says which computations consumed a transfer)."""
-    program = compile_plan(plan)
+    A computation consumed a message when its rank posted a RECV for one of its halves earlier in the step."""
     samples: dict[ActionKind, list[float]] = {}
     checks: list[float] = []  # the pre-action checks, as computations that consumed nothing took them
     waited: list[tuple[ActionKind, float]] = []
-    for rank, steps in result.timelines.items():
+    for steps in result.timelines.values():
         for step in steps[warmup:]:
-            if len(step.records) != len(program.codes[rank]):
-                raise ValueError(
-                    f"rank {rank} step {step.step}: {len(step.records)} records for a program of "
-                    f"{len(program.codes[rank])} actions: not a run of this plan"
-                )
             previous = step.start_ns
-            for index, record in enumerate(step.records):
+            posted: set[_Received] = set()
+            for record in step.records:
                 kind = parse_action(record.action).kind
                 around = (record.start_ns - previous - record.wait_ns) / 1e3
                 previous = record.end_ns
                 if kind in _P2P:  # posting: the record's own span is the program's work for it too
                     own = (record.end_ns - record.start_ns + record.wait_ns) / 1e3
                     samples.setdefault(kind, []).append(around + own)
-                elif kind in DISPATCHED_KINDS and program.transfers_waited(rank, index):
+                    boundary = _received(record.action)
+                    if kind in (ActionKind.RECV_F, ActionKind.RECV_B) and boundary is not None:
+                        posted.add(boundary)
+                elif kind in DISPATCHED_KINDS and posted & set(_consumed(record.action)):
                     waited.append((kind, around))
                 elif kind in DISPATCHED_KINDS:
                     checks.append(record.wait_ns / 1e3)
@@ -104,22 +130,26 @@ def dispatch_samples(result: RunResult, plan: plan_pb2.Plan, *, warmup: int = 1)
     return samples
 
 
-def message_samples(result: RunResult, plan: plan_pb2.Plan, *, warmup: int = 1) -> list[float]:
-    """Per message of ``plan``'s run whose consumer waited for it: from its SEND's end (posted) to its
-    consumer's start (the wait over), microseconds. In a strictly alternating plan every consumer waits."""
-    program = compile_plan(plan)
-    by_step = {rank: {t.step: t for t in steps} for rank, steps in result.timelines.items()}
-    out: list[float] = []
-    for rank, steps in result.timelines.items():
+def message_samples(result: RunResult, *, warmup: int = 1) -> list[float]:
+    """Per message whose consumer waited for it: from its SEND record's end (posted) to its consumer's start
+    (the wait over), microseconds. In a strictly alternating plan every consumer waits."""
+    sent: dict[tuple[int, _Received], int] = {}  # (step, boundary) -> the SEND's end
+    arrived: dict[tuple[int, _Received], int] = {}  # (step, boundary) -> the consumer's start
+    for steps in result.timelines.values():
         for step in steps[warmup:]:
-            for index, record in enumerate(step.records):
-                if program.codes[rank][index] > OVERLAP or not record.wait_ns:
-                    continue
-                for transfer in program.transfers_waited(rank, index):
-                    sender, send_step = program.sender[transfer]
-                    sent = by_step[sender][step.step].records[send_step]
-                    out.append((record.start_ns - sent.end_ns) / 1e3)
-    return out
+            posted: set[_Received] = set()
+            for record in step.records:
+                kind = parse_action(record.action).kind
+                boundary = _received(record.action)
+                if kind in (ActionKind.SEND_F, ActionKind.SEND_B) and boundary is not None:
+                    sent[(step.step, boundary)] = record.end_ns
+                elif boundary is not None:
+                    posted.add(boundary)
+                elif kind in DISPATCHED_KINDS and record.wait_ns:
+                    for consumed in set(_consumed(record.action)) & posted:
+                        posted.discard(consumed)
+                        arrived[(step.step, consumed)] = record.start_ns
+    return [(arrived[key] - end) / 1e3 for key, end in sent.items() if key in arrived]
 
 
 def _plan(schedule: str) -> plan_pb2.Plan:
@@ -158,12 +188,12 @@ def measure_runtime_costs(
     for index, (plan, profile) in enumerate(zip(plans, profiles, strict=True)):
         options = RunOptions(steps=steps, timeout_s=timeout_s, emulate=profile)
         (result,) = run_local_many([plan], options)
-        for kind, values in dispatch_samples(result, plan, warmup=warmup).items():
+        for kind, values in dispatch_samples(result, warmup=warmup).items():
             dispatch.setdefault(kind, []).extend(values)
         if index < len(sizes):
             size = sizes[index]
             transfer = link.transfer_us(size)
-            messages[size] = [value - transfer for value in message_samples(result, plan, warmup=warmup)]
+            messages[size] = [value - transfer for value in message_samples(result, warmup=warmup)]
     return _fit(dispatch, messages, link, thread_share)
 
 
