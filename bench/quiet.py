@@ -13,6 +13,8 @@ import json
 import os
 import platform
 import statistics
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from octopipe.execute.runtime.pinning import online_cpus
 
 __all__ = [
     "Environment",
+    "HostCpu",
     "add_arguments",
     "distinct_cores",
     "percentile",
@@ -79,6 +82,51 @@ class Environment:
             "rank_cores_per_run": self.runs,
             "host_memory_per_run": self.host_memory,
         }
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of every core so far, from /proc/stat's first line; (0, 0) elsewhere."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+@dataclass
+class HostCpu:
+    """How busy this machine's cores were, sampled every ``period_s`` on a thread while a benchmark runs, so
+    a figure can say whether the host itself was the bottleneck (emulated ranks time-share its cores).
+    Samples are (``time.perf_counter_ns``, busy ticks, total ticks); ``busy(start_ns, end_ns)`` is the busy share of all
+    cores between the samples that bracket the window (None when the window holds fewer than two)."""
+
+    period_s: float = 0.05
+    samples: list[tuple[int, int, int]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> HostCpu:
+        self._thread = threading.Thread(target=self._run, name="host-cpu", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter_ns(), *_cpu_ticks()))  # the runtime's records' clock
+            self._stop.wait(self.period_s)
+
+    def busy(self, start_ns: int, end_ns: int) -> float | None:
+        inside = [s for s in self.samples if start_ns <= s[0] <= end_ns]
+        if len(inside) < 2 or inside[-1][2] == inside[0][2]:
+            return None
+        return (inside[-1][1] - inside[0][1]) / (inside[-1][2] - inside[0][2])
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, rounds: int, steps: int, warmup: bool = False) -> None:
