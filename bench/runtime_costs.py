@@ -10,7 +10,7 @@ term per round and the median over rounds, with its physical bounds; writes
 whether held at a bound) and ``rounds[]``. The ``terms`` are what ``bench/emulated_fidelity.py
 --runtime-costs`` and ``octopipe.simulate.RuntimeCosts.from_terms`` read.
 
-    .venv/bin/python bench/runtime_costs.py [--rounds 3] [--steps 12] [--warmup 2] [--thread-share 1.0]
+    .venv/bin/python bench/runtime_costs.py [--rounds 3] [--steps 12] [--warmup 2] [--thread-share 1.0 | --fit-thread-share]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from quiet import add_arguments, start, write_record
 
 from octopipe.execute.runtime.linkprobe import measure_link
 from octopipe.execute.runtime.runtime_costs import measure_runtime_costs
+from octopipe.execute.runtime.threadshare import measure_thread_share
 from octopipe.simulate import FittedTerm, Link, RuntimeCosts
 
 OUT = Path(__file__).parent / "results" / "runtime_costs.json"
@@ -43,6 +44,12 @@ def main() -> None:
         type=float,
         default=1.0,
         help="the part of a message's CPU work on the rank's own core (1: CPU ranks pinned to one core each)",
+    )
+    parser.add_argument(
+        "--fit-thread-share",
+        action="store_true",
+        help="fit thread_share with its own micro-bench (runtime.threadshare: compute on a pinned core beside "
+        "messages) instead of stating it",
     )
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
@@ -72,6 +79,15 @@ def main() -> None:
         )
         for name, first in per_round[0].items()
     ]
+    share = None
+    if args.fit_thread_share:  # relative to the medians' per-message CPU work
+        stated = RuntimeCosts.from_terms({t.name: t.value for t in fitted})
+        share = measure_thread_share(stated, messages=40 if args.tiny else 120, repeats=1 if args.tiny else 3)
+        fitted = [share.share if t.name == "thread_share" else t for t in fitted]
+        print(
+            f"thread share: loss per message {share.loss_us} us over the message's CPU {share.message_cpu_us} us; "
+            f"compute beside messages slowed {share.compute_slowdown}"
+        )
     runtime = RuntimeCosts.from_terms({t.name: t.value for t in fitted})  # checks every median against its bounds
     print("\nmedian over rounds:")
     for term in fitted:
@@ -94,7 +110,9 @@ def main() -> None:
         "fitted_terms": [term.as_dict() for term in fitted],
         "rounds": rounds,
         "environment": env.finish(),
-        "note": "emulated ranks are not pinned (they wait rather than compute); thread_share is stated, not fitted",
+        "thread_share_measurement": None if share is None else share.as_dict(),
+        "note": "emulated ranks are not pinned (they wait rather than compute); thread_share "
+        + ("fitted by runtime.threadshare (real compute, pinned)" if share is not None else "stated, not fitted"),
     }
     write_record(args.out, record)
 

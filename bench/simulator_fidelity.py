@@ -1,13 +1,14 @@
 """Simulator fidelity, the source of truth: predicted vs measured step time and peak memory, per plan.
 
 For each workload (shared/benchmarks.md standard sizes, 2 ranks, m = 8) and
-each plan -- GPipe, 1F1B, interleaved 1F1B (2 chunks), ZB-H1, ZB-V, DualPipeV
-with equal layer counts, and the tuner's plan -- it
+each plan -- every tunable registry schedule (GPipe, 1F1B, ZB-H1, ZB-H2,
+interleaved 1F1B with 2 and 4 chunks, ZB-V, V-Half, V-Min, DualPipeV) with
+equal layer counts, and the tuner's plan -- it
 
 1. profiles the layers (one thread) and measures the gloo link (ranks pinned to
    two distinct cores, many round trips, medians);
 2. predicts each plan's step with the simulator (``pipeline.compare``'s costs:
-   the profile, the link); the plans: the six library schedules with equal
+   the profile, the link); the plans: the library schedules with equal
    layer counts, the tuner's plan from the profile and from the calibration;
 3. runs every plan in ONE launch of 2 ranks pinned to 2 distinct cores, the
    plans interleaved (A B C ... A B C ...) for ``--rounds`` rounds of
@@ -57,23 +58,21 @@ from octopipe.execute.runtime.pipeline import calibrate_in_situ, compare, layer_
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import RuntimeCosts
-from octopipe.tune import TuneConfig, dualpipe_v, equal_partition, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_v
+from octopipe.tune import DEFAULT_SCHEDULES, TuneConfig, equal_partition
 
 M, P = 8, 2
 WORKLOADS = ["llama-8", "jamba-8", "nemotronh-16", "moe-ep-4"]
 
 
 def library(reference: plan_pb2.ModelReference) -> list[plan_pb2.Plan]:
+    """Every tunable registry schedule at (P, M) with equal layer counts (those with more stages than the model
+    has layers are left out)."""
     names = layer_names(reference)
-    two, four = equal_partition(names, P), equal_partition(names, 2 * P)
-    plans = [
-        gpipe(P, M, layer_names=two),
-        one_f_one_b(P, M, layer_names=two),
-        interleaved_1f1b(P, 2, M, layer_names=four),
-        zb_h1(P, M, layer_names=two),
-        zb_v(P, M, layer_names=four),
-        dualpipe_v(P, M, layer_names=four),
-    ]
+    plans = []
+    for entry in DEFAULT_SCHEDULES:
+        stages = P * entry.placement.stages_per_rank
+        if entry.tunable and stages <= len(names):
+            plans.append(entry.generate(P, M, layer_names=equal_partition(names, stages)))
     for plan in plans:
         plan.model.CopyFrom(reference)
     return plans
@@ -110,7 +109,8 @@ def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environm
     timeout = 120.0 if args.tiny else 900.0
     plans = library(reference)
     # in-situ calibration: a short run of the two plain 2-stage plans (1F1B: fused backward; ZB-H1: split)
-    sources = [plans[1], plans[3]] * 2
+    by_schedule = {plan.labels["schedule"]: plan for plan in plans}
+    sources = [by_schedule["1f1b"], by_schedule["zb-h1"]] * 2
     calibration_runs = run_local_many(sources, RunOptions(steps=args.steps, timeout_s=timeout))
     env.record(calibration_runs[0].cores)
     in_situ = calibrate_in_situ(profile, list(zip(sources, calibration_runs, strict=True)))
