@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from octopipe.execute.devices import CPU_BACKEND
 from octopipe.execute.processes import free_port
 from octopipe.execute.runtime.pinning import pin_rank
 from octopipe.simulate import BOUNDS, FittedTerm, RuntimeCosts
@@ -140,7 +141,9 @@ def _worker(
     cores, _ = pin_rank(rank)
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timeout)
+    dist.init_process_group(
+        CPU_BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timeout
+    )
     try:
         a, b = torch.randn(160, 160), torch.randn(160, 160)
         # a block of about block_ms on this core
