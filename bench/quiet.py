@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -75,6 +76,7 @@ class Environment:
         self.load_after = os.getloadavg()
         return {
             "machine": platform.processor() or platform.machine(),
+            "cpu": cpu_model(),
             "online_cpus": online_cpus(),
             "load_average_before": list(self.load_before),
             "load_average_after": list(self.load_after),
@@ -82,6 +84,18 @@ class Environment:
             "rank_cores_per_run": self.runs,
             "host_memory_per_run": self.host_memory,
         }
+
+
+def cpu_model() -> dict[str, str]:
+    """The host's CPU model and cache sizes (from ``lscpu``; empty where it is missing): figures taken on
+    different hosts differ, and the JSON must say which host gave them."""
+    wanted = ("Model name", "Vendor ID", "L1d cache", "L2 cache", "L3 cache", "Hypervisor vendor")
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    found = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {key: found[key].strip() for key in wanted if key in found}
 
 
 def _cpu_ticks() -> tuple[int, int]:

@@ -120,3 +120,21 @@ def test_moe_layers_report_their_experts_for_the_mesh_search() -> None:
         assert layer.expert_parameter_bytes == 4 * sum(w.numel() for w in (moe.w1, moe.w2, moe.w3))
         assert 0 < layer.expert_parameter_bytes < layer.parameter_bytes  # the router is not an expert
         assert layer.all_to_all_bytes == 2 * moe.experts * moe.capacity(2 * 8) * model.config.hidden * 4
+
+
+def test_evicting_caches_between_samples_changes_no_byte_count_and_is_labelled(profile: profile_pb2.Profile) -> None:
+    torch.manual_seed(0)
+    config = ModelConfig.tiny(hidden=64, vocab=512)
+    model = nemotron_h("M-*E", config)
+    tokens = torch.randint(0, 512, (2, 32))
+    evicted = profile_layers(model, tokens, tokens, config=ProfilerConfig(repeats=1, warmup=0, evict_bytes=1 << 20))
+    assert evicted.labels["evict_bytes"] == str(1 << 20) and profile.labels["evict_bytes"] == "0"
+    timed = ("forward_duration_us", "backward_input_duration_us", "backward_weight_duration_us")
+    for cold, original in zip(evicted.layers, profile.layers, strict=True):
+        warm = profile_pb2.LayerCost.FromString(original.SerializeToString())
+        for field in (*timed, "full_backward_duration_us"):
+            cold.ClearField(field)
+            warm.ClearField(field)
+        assert cold == warm  # only the times may move: every byte figure is the same
+    with pytest.raises(ValueError, match="evict_bytes must be >= 0"):
+        ProfilerConfig(evict_bytes=-1)

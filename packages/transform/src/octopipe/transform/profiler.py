@@ -45,17 +45,23 @@ class ProfilerConfig:
     ``device``: where the model and inputs are, and so what times and meters the graphs. ``host_memory``:
     the C allocator policy the layers are timed under (``transform.host_memory``; the profiler applies it to
     this process, as the runtime applies it to every rank, and the Profile's ``host_memory`` label says
-    whether it took effect)."""
+    whether it took effect). ``evict_bytes``: bytes written between each sample's preparation and its timed run
+    (0: none), so that a sample starts with caches holding none of the layer's weights and activations, as an
+    action inside a pipeline may (``bench/profile_conditions.py`` measures whether that is what the pipeline
+    sees); the Profile's ``evict_bytes`` label records it."""
 
     repeats: int = 5
     warmup: int = 2
     optimizer_state_factor: float = 2.0
     device: Device = CPU
     host_memory: HostMemory = "reuse"
+    evict_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {self.repeats} and {self.warmup}")
+        if self.evict_bytes < 0:
+            raise ValueError(f"evict_bytes must be >= 0 (0: no eviction), got {self.evict_bytes}")
         host_memory_policy(self.host_memory)
 
 
@@ -79,8 +85,13 @@ def storage_bytes(tensors: Iterable[object], *, exclude: Iterable[torch.Tensor] 
 
 def _median_us(run: Callable[[], object], prepare: Callable[[], object], config: ProfilerConfig) -> float:
     samples = []
+    # written before each timed run: what the caches held is replaced by this buffer's lines
+    evict = config.device.empty((config.evict_bytes // 4,), torch.float32) if config.evict_bytes else None
     for index in range(config.warmup + config.repeats):
         prepare()
+        if evict is not None:
+            evict.fill_(float(index))
+            config.device.synchronize()
         watch = config.device.stopwatch()
         watch.mark()
         run()
@@ -185,6 +196,7 @@ def _new_profile(
     profile.labels["threads"] = str(torch.get_num_threads())
     profile.labels["repeats"] = str(config.repeats)
     profile.labels["timing"] = config.device.timing
+    profile.labels["evict_bytes"] = str(config.evict_bytes)
     memory = configure_host_memory(config.host_memory)  # the allocator the runtime's ranks run with
     applied = memory.applied or memory.policy == "system"
     profile.labels["host_memory"] = memory.policy if applied else f"{memory.policy} (not applied: {memory.reason})"

@@ -92,8 +92,12 @@ def profile_reference(
     compiler: StageCompiler | None = None,
     precision: str = "",
     device: str = "cpu",
+    evict_bytes: int = 0,
 ) -> profile_pb2.Profile:
     """Profile the layers of the model ``reference`` names on one micro-batch of its step-0 batch.
+
+    ``evict_bytes``: ``ProfilerConfig.evict_bytes`` (bytes written before each timed sample, to start it with
+    cold caches; 0, the default: none).
 
     ``device``: where the layers run and are timed (``cpu``, or ``cuda[:N]``: CUDA events and the CUDA
     allocator; the Profile's ``device`` says which).
@@ -134,7 +138,7 @@ def profile_reference(
                 whole.examples,
                 [stage.layer_names[0] for stage in whole.stages],
                 microbatch_size=size,
-                config=ProfilerConfig(repeats=repeats, device=where),
+                config=ProfilerConfig(repeats=repeats, device=where, evict_bytes=evict_bytes),
                 links=links,
                 model_reference=reference,
                 compiler=compiler,
@@ -154,7 +158,7 @@ def profile_reference(
             built.model,
             inputs[:size],
             targets[:size],
-            config=ProfilerConfig(repeats=repeats, device=where),
+            config=ProfilerConfig(repeats=repeats, device=where, evict_bytes=evict_bytes),
             links=links,
             model_reference=reference,
             compiler=compiler,
