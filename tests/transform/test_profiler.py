@@ -137,3 +137,28 @@ def test_evicting_caches_between_samples_changes_no_byte_count_and_is_labelled(p
         assert untimed[0] == untimed[1]  # only the times may move: every byte figure is the same
     with pytest.raises(ValueError, match="evict_bytes must be >= 0"):
         ProfilerConfig(evict_bytes=-1)
+
+
+def test_before_sample_runs_once_right_before_every_timed_and_warm_up_sample() -> None:
+    torch.manual_seed(0)
+    config = ModelConfig.tiny(hidden=32, vocab=128)
+    model = nemotron_h("M*", config)
+    tokens = torch.randint(0, 128, (2, 8))
+    calls: list[int] = []
+    profile = profile_layers(
+        model, tokens, tokens, config=ProfilerConfig(repeats=3, warmup=2, before_sample=lambda: calls.append(1))
+    )
+    # four timed graphs per layer (F, B, W, the fused backward), each sampled warm-up + repeats times
+    assert len(calls) == len(profile.layers) * 4 * (2 + 3)
+
+
+def test_weight_gradient_timing_leaves_the_model_and_its_gradients_untouched() -> None:
+    torch.manual_seed(0)
+    config = ModelConfig.tiny(hidden=32, vocab=128)
+    model = nemotron_h("M*", config)
+    tokens = torch.randint(0, 128, (2, 8))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    profile_layers(model, tokens, tokens, config=ProfilerConfig(repeats=1, warmup=0))
+    # the float32 accumulators W is timed with are the profiler's own: no parameter or .grad changes
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[name]) and p.grad is None, name

@@ -4,6 +4,8 @@ Each layer is compiled alone as a one-layer stage by the same
 :class:`~octopipe.transform.compiler.StageCompiler` the runtime compiles its
 stages with (so its costs are those of the graphs the runtime runs), and each
 graph timed: warm-up runs first, then the median of ``repeats`` timed runs.
+W and the fused backward are timed with the add of their weight gradients into
+float32 accumulators, as the runtime's interpreter adds them for each micro-batch.
 Timing and memory follow the profiler's device (``ProfilerConfig.device``,
 the model and inputs must be on it): on CPU the host clock and the profiler's
 memory events, on CUDA events around each graph (each sample waits for its own
@@ -35,7 +37,8 @@ from octopipe.transform.host_memory import HostMemory, configure_host_memory, ho
 __all__ = ["ProfilerConfig", "format_profile", "profile_layers", "profile_stages", "storage_bytes", "storage_pointers"]
 
 
-#: bytes per element of what gradients accumulate in and the optimizer steps (float32)
+#: what weight gradients accumulate in and the optimizer steps (float32), and its bytes per element
+_GRAD_DTYPE = torch.float32
 _MASTER_BYTES = 4
 
 
@@ -48,7 +51,10 @@ class ProfilerConfig:
     whether it took effect). ``evict_bytes``: bytes written between each sample's preparation and its timed run
     (0: none), so that a sample starts with caches holding none of the layer's weights and activations, as an
     action inside a pipeline may (``bench/profile_conditions.py`` measures whether that is what the pipeline
-    sees); the Profile's ``evict_bytes`` label records it."""
+    sees); the Profile's ``evict_bytes`` label records it. ``before_sample``: called right before each sample's
+    clock starts (after its preparation and eviction): profilers in several processes, each running the same
+    layers, pass a barrier's wait so that their samples run together, as a pipeline's ranks compute together
+    (``octopipe.execute.runtime.lockstep``)."""
 
     repeats: int = 5
     warmup: int = 2
@@ -56,6 +62,7 @@ class ProfilerConfig:
     device: Device = CPU
     host_memory: HostMemory = "reuse"
     evict_bytes: int = 0
+    before_sample: Callable[[], object] | None = None
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.warmup < 0:
@@ -92,6 +99,8 @@ def _median_us(run: Callable[[], object], prepare: Callable[[], object], config:
         if evict is not None:
             evict.fill_(float(index))
             config.device.synchronize()
+        if config.before_sample is not None:
+            config.before_sample()
         watch = config.device.stopwatch()
         watch.mark()
         run()
@@ -265,6 +274,21 @@ def _layer_cost(exe: StageExecutable, inputs: list[torch.Tensor], config: Profil
     def full() -> None:
         exe.full_backward_all(state["ctx"], seeds())  # type: ignore[arg-type]
 
+    # the runtime adds each micro-batch's weight gradients into float32 accumulators (out of place, as its
+    # interpreter does): W and the fused backward are timed with that add, the cost of the action it runs
+    accumulators = [torch.zeros(p.shape, dtype=_GRAD_DTYPE, device=p.device) for p in exe.params]
+
+    def accumulate(grads: Sequence[torch.Tensor | None]) -> None:
+        for acc, grad in zip(accumulators, grads, strict=True):
+            if grad is not None:
+                _ = acc + grad.to(_GRAD_DTYPE)
+
+    def backward_weight_accumulated() -> None:
+        accumulate(exe.backward_weight(state["wctx"]))  # type: ignore[arg-type]
+
+    def full_accumulated() -> None:
+        accumulate(exe.full_backward_all(state["ctx"], seeds())[1])  # type: ignore[arg-type]
+
     def nothing() -> None:
         return None
 
@@ -275,8 +299,9 @@ def _layer_cost(exe: StageExecutable, inputs: list[torch.Tensor], config: Profil
     cost = profile_pb2.LayerCost()
     cost.forward_duration_us = _median_us(forward, nothing, config)
     cost.backward_input_duration_us = _median_us(backward_input, forward, config)
-    cost.backward_weight_duration_us = _median_us(backward_weight, forward_then_b, config)
-    cost.full_backward_duration_us = _median_us(full, forward, config)
+    cost.backward_weight_duration_us = _median_us(backward_weight_accumulated, forward_then_b, config)
+    cost.full_backward_duration_us = _median_us(full_accumulated, forward, config)
+    del accumulators[:]
 
     forward()
     ctx = state["ctx"]
