@@ -10,6 +10,9 @@ pinned to the first online core:
 - ``evicted``: caches evicted before each timed sample
   (``ProfilerConfig.evict_bytes``, twice the last-level cache), as an action
   that runs after other micro-batches' actions may start;
+- ``lockstep``: ``runtime.lockstep.profile_in_lockstep``, the profiler the
+  fidelity bench uses: one profiler per rank, pinned to the rank's core, each
+  timed sample started in all of them together;
 - ``stages`` (models with a layer list): each stage of the 2-stage equal
   partition timed whole against the sum of its layers' times (does a stage
   cost what its layers add up to?).
@@ -42,6 +45,7 @@ from quiet import add_arguments, start, write_record
 
 from octopipe.capture import StageModule, pipeline_spec
 from octopipe.execute.runtime import RunOptions, run_local_many, workload_reference
+from octopipe.execute.runtime.lockstep import profile_in_lockstep
 from octopipe.execute.runtime.measure import timelines_to_proto
 from octopipe.execute.runtime.models import build_model
 from octopipe.execute.runtime.pinning import online_cpus
@@ -184,6 +188,7 @@ def main() -> None:
         "alone": profile_reference(reference, num_microbatches=M, num_ranks=P),
         "beside": profile_beside(args, cores[1]),
         "evicted": profile_reference(reference, num_microbatches=M, num_ranks=P, evict_bytes=evict),
+        "lockstep": profile_in_lockstep(reference, num_microbatches=M, num_ranks=P),
     }
     os.sched_setaffinity(0, set(cores))  # the ranks pin themselves; the launcher does not inherit one core
     names = layer_names(reference)

@@ -93,8 +93,12 @@ def profile_reference(
     precision: str = "",
     device: str = "cpu",
     evict_bytes: int = 0,
+    before_sample: Callable[[], object] | None = None,
 ) -> profile_pb2.Profile:
     """Profile the layers of the model ``reference`` names on one micro-batch of its step-0 batch.
+
+    ``before_sample``: ``ProfilerConfig.before_sample`` (``runtime.lockstep`` profiles in one pinned process
+    per rank, their samples started together by it).
 
     ``evict_bytes``: ``ProfilerConfig.evict_bytes`` (bytes written before each timed sample, to start it with
     cold caches; 0, the default: none).
@@ -128,6 +132,7 @@ def profile_reference(
             "choose a micro-batch count that divides it"
         )
     links = local_links(link, num_ranks) if link is not None else ()
+    config = ProfilerConfig(repeats=repeats, device=where, evict_bytes=evict_bytes, before_sample=before_sample)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -138,7 +143,7 @@ def profile_reference(
                 whole.examples,
                 [stage.layer_names[0] for stage in whole.stages],
                 microbatch_size=size,
-                config=ProfilerConfig(repeats=repeats, device=where, evict_bytes=evict_bytes),
+                config=config,
                 links=links,
                 model_reference=reference,
                 compiler=compiler,
@@ -158,7 +163,7 @@ def profile_reference(
             built.model,
             inputs[:size],
             targets[:size],
-            config=ProfilerConfig(repeats=repeats, device=where, evict_bytes=evict_bytes),
+            config=config,
             links=links,
             model_reference=reference,
             compiler=compiler,
