@@ -5,8 +5,12 @@ each plan -- every tunable registry schedule (GPipe, 1F1B, ZB-H1, ZB-H2,
 interleaved 1F1B with 2 and 4 chunks, ZB-V, V-Half, V-Min, DualPipeV) with
 equal layer counts, and the tuner's plan -- it
 
-1. profiles the layers (one thread) and measures the gloo link (ranks pinned to
-   two distinct cores, many round trips, medians);
+1. profiles the layers in lock-step (``runtime.lockstep.profile_in_lockstep``:
+   one profiler per rank, each pinned to its rank's core, each timed sample
+   started in all of them together, as the ranks compute in a pipeline) and,
+   for comparison, alone (``pipeline.profile_reference``: one process, the
+   other core idle); measures the gloo link (ranks pinned to two distinct
+   cores, many round trips, medians);
 2. predicts each plan's step with the simulator (``pipeline.compare``'s costs:
    the profile, the link); the plans: the library schedules with equal
    layer counts, the tuner's plan from the profile and from the calibration;
@@ -22,7 +26,8 @@ equal layer counts, and the tuner's plan -- it
    1F1B and ZB-H1, per-action medians, and the link latency that reproduces
    their steps), tunes again on it ("tuned-calibrated"), and predicts every
    plan with it too (all out of sample: the measured rounds are other runs);
-6. prints per cell: predicted, measured median [p10, p90], replayed (the
+6. prints per cell: predicted (from the lock-step profile; the profile taken
+   alone in the JSON as ``alone_ms``), measured median [p10, p90], replayed (the
    simulator fed the measured per-action durations: what is left is runtime
    overhead), step-time error, memory predicted / allocator-measured and its
    error; per workload Kendall tau over all plan pairs and over the pairs whose
@@ -54,6 +59,7 @@ from quiet import Environment, add_arguments, start, write_record
 
 from octopipe.execute.runtime import RunOptions, run_local_many, workload_reference
 from octopipe.execute.runtime.linkprobe import measure_link
+from octopipe.execute.runtime.lockstep import profile_in_lockstep
 from octopipe.execute.runtime.pipeline import calibrate_in_situ, compare, layer_names, profile_reference, tune_reference
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
@@ -102,10 +108,13 @@ def percentile(values: list[float], q: float) -> float:
 
 def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environment) -> dict[str, Any]:
     reference = workload_reference(name, tiny=True, sequence=16) if args.tiny else workload_reference(name)
-    profile = profile_reference(reference, num_microbatches=M, num_ranks=P, link=link)
+    # the profile every prediction uses: taken as the pipeline runs (each rank on its core, computing together)
+    profile = profile_in_lockstep(reference, num_microbatches=M, num_ranks=P, link=link)
+    alone = profile_reference(reference, num_microbatches=M, num_ranks=P, link=link)  # for comparison only
     if args.runtime_costs is not None:  # the runtime's own terms (bench/runtime_costs.py), as measured
         terms = json.loads(args.runtime_costs.read_text())["terms"]
-        profile.runtime.CopyFrom(RuntimeCosts.from_terms(terms).to_proto(source=str(args.runtime_costs)))
+        for costs in (profile, alone):
+            costs.runtime.CopyFrom(RuntimeCosts.from_terms(terms).to_proto(source=str(args.runtime_costs)))
     timeout = 120.0 if args.tiny else 900.0
     plans = library(reference)
     # in-situ calibration: a short run of the two plain 2-stage plans (1F1B: fused backward; ZB-H1: split)
@@ -126,6 +135,7 @@ def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environm
         mine = runs[index :: len(plans)]
         got = compare(plan, profile, mine)
         after = compare(plan, calibrated, mine)
+        solo = compare(plan, alone, mine)
         memory = memory_runs[index].memory
         measured_memory = [int(memory[r]["peak_bytes"]) for r in range(P)]
         memory_errors = [
@@ -144,6 +154,9 @@ def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environm
                 "replay_ms": got.replay_step_us / 1e3,
                 "step_time_error": got.step_time_error,
                 "signed_error": (got.predicted_step_us - got.measured_step_us) / got.measured_step_us,
+                "alone_ms": solo.predicted_step_us / 1e3,
+                "alone_error": solo.step_time_error,
+                "alone_signed_error": (solo.predicted_step_us - got.measured_step_us) / got.measured_step_us,
                 "calibrated_ms": after.predicted_step_us / 1e3,
                 "calibrated_error": after.step_time_error,
                 "calibrated_signed_error": (after.predicted_step_us - got.measured_step_us) / got.measured_step_us,
@@ -164,6 +177,7 @@ def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environm
     ]
     return {
         "workload": name,
+        "profile_conditions": profile.labels["conditions"],
         "calibration": {
             "factors": {str(k): v for k, v in in_situ.factors.items()},
             "latency_us_per_run": list(in_situ.latencies_us),
@@ -194,10 +208,11 @@ def print_table(link: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
         f" {'calib':>7} {'err':>7}"
     )
     print(header + f" {'mem pred/alloc MiB (max rank)':>30} {'mem err':>8}")
-    step_errors, memory_errors, calibrated = [], [], []
+    step_errors, memory_errors, calibrated, alone = [], [], [], []
     for result in results:
         for r in result["rows"]:
             step_errors.append(r["step_time_error"])
+            alone.append(r["alone_error"])
             calibrated.append(r["calibrated_error"])
             if r["memory_error"] is not None:
                 memory_errors.append(r["memory_error"])
@@ -217,6 +232,7 @@ def print_table(link: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
         )
     summary = {
         "step_mape": statistics.fmean(step_errors),
+        "step_mape_alone": statistics.fmean(alone),
         "calibrated_step_mape": statistics.fmean(calibrated),
         "peak_memory_mape": statistics.fmean(memory_errors) if memory_errors else None,
         "cells": len(step_errors),
@@ -224,8 +240,9 @@ def print_table(link: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
     }
     memory = "n/a" if summary["peak_memory_mape"] is None else f"{summary['peak_memory_mape']:.1%}"
     print(
-        f"MAPE over {len(step_errors)} cells: step time {summary['step_mape']:.1%} from the profile, "
-        f"{summary['calibrated_step_mape']:.1%} calibrated in situ (from separate runs), peak memory {memory}"
+        f"MAPE over {len(step_errors)} cells: step time {summary['step_mape']:.1%} from the lock-step profile "
+        f"({summary['step_mape_alone']:.1%} from one taken alone), {summary['calibrated_step_mape']:.1%} "
+        f"calibrated in situ (from separate runs), peak memory {memory}"
     )
     return summary
 
@@ -251,6 +268,7 @@ def main() -> None:
         "sizes": "tiny" if args.tiny else "standard",
         "rounds": args.rounds,
         "steps": args.steps,
+        "profiler": "lockstep",
         "runtime_costs": None if args.runtime_costs is None else str(args.runtime_costs),
         "link": {"latency_us": link.latency_us, "bandwidth_bytes_per_second": link.bandwidth_bytes_per_second},
         "environment": env.finish(),
