@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from google.protobuf import json_format
 
+from octopipe.execute.cli import EXIT_OK, EXIT_USAGE, main
 from octopipe.execute.runtime import workload_reference
 from octopipe.execute.runtime.lockstep import LOCKSTEP_TIMED_FIELDS, merge_lockstep, profile_in_lockstep
 from octopipe.execute.runtime.pinning import online_cpus
@@ -71,3 +74,19 @@ def test_profiles_on_two_pinned_cores_with_the_sizes_a_profile_taken_alone_has()
         for each in fields:
             assert all(each.pop(name) > 0 for name in timed if name in each)
         assert fields[0] == fields[1]  # only the times differ: every size, shape and byte count is the same
+
+
+@pytest.mark.skipif(len(online_cpus()) < 2, reason="a lock-step profile needs 2 online cores")
+def test_the_cli_profiles_in_lockstep_and_refuses_it_off_the_cpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "profile.json"
+    argv = ["profile", "--lockstep", "--workload", "llama-8", "--tiny", "--sequence", "8", "--repeats", "1"]
+    assert main([*argv, "--out", str(out)]) == EXIT_OK
+    profile = json_format.Parse(out.read_text(), profile_pb2.Profile())
+    assert profile.model.name == "llama-8" and profile.model.config["tiny"] == "true"
+    assert profile.labels["conditions"].startswith("lockstep: 2 processes pinned to cores")
+    assert [c.layer_name for c in profile.layers][:2] == ["embed", "layers.0"]
+    assert f"written: {out}" in capsys.readouterr().out
+    assert main([*argv, "--device", "cuda", "--out", str(out)]) == EXIT_USAGE
+    assert "--lockstep profiles eager graphs on this machine's CPU cores" in capsys.readouterr().err

@@ -56,6 +56,12 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
         default="eager",
         help="profile the graphs as captured (eager) or as Inductor compiles them (inductor); default: eager",
     )
+    parser.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="profile as the pipeline's ranks run: one pinned process per rank (--ranks), each on its own core, "
+        "every timed sample started in all of them together (cpu, eager); the median over them is written",
+    )
     parser.add_argument("--out", type=Path, default=Path("out/profile.binpb"), help=".binpb or .json")
     parser.add_argument("--json", action="store_true", help="print the Profile as JSON instead of a table")
 
@@ -97,7 +103,6 @@ def run(args: argparse.Namespace) -> int:
         Device,
         ProfilerConfig,
         StageCompiler,
-        format_profile,
         profile_layers,
         stage_backend,
     )
@@ -110,12 +115,18 @@ def run(args: argparse.Namespace) -> int:
         chosen = replace(chosen, sequence=args.sequence)
     if args.link and args.ranks < 2:
         raise ValueError(f"--ranks {args.ranks}: a link needs at least 2 ranks")
+    if args.lockstep and (args.device != "cpu" or args.compile != "eager"):
+        raise ValueError("--lockstep profiles eager graphs on this machine's CPU cores: drop --device/--compile")
+    size = args.microbatch_size or chosen.microbatch_size
+    if args.lockstep:
+        profile = _profile_in_lockstep(args, chosen, size)
+        _write(profile, args)
+        return 0
     device = Device.parse(rank_device(args.device, 0))
     device.activate()  # no CUDA here: one line, before anything is built
     torch.set_num_threads(1)
     model = device.put(chosen.model(seed=0).to(dtype_named(args.precision)))
     tokens, targets = map(device.put, chosen.batch(seed=0))
-    size = args.microbatch_size or chosen.microbatch_size
     with spinner(f"measuring the links between {args.ranks} local ranks ...", enabled=args.link and not args.json):
         links = measure_links(args.ranks, device=args.device) if args.link else []
     reference = plan_pb2.ModelReference(name=chosen.name, source="octopipe.examples:workload")
@@ -135,6 +146,38 @@ def run(args: argparse.Namespace) -> int:
         profile.labels["compile"] = args.compile
     if args.precision != "float32":  # absent means float32: a float32 profile stays as it always was
         profile.precision.compute_dtype = args.precision
+    _write(profile, args)
+    return 0
+
+
+def _profile_in_lockstep(args: argparse.Namespace, chosen: Any, size: int) -> profile_pb2.Profile:
+    """``--lockstep``: the workload's layers profiled in one pinned process per rank (``runtime.lockstep``)."""
+    from octopipe.execute.runtime.linkprobe import measure_links  # noqa: PLC0415
+    from octopipe.execute.runtime.lockstep import profile_in_lockstep  # noqa: PLC0415
+    from octopipe.execute.runtime.models import workload_reference  # noqa: PLC0415
+
+    if chosen.global_batch % size:
+        raise ValueError(f"--microbatch-size {size} does not divide the global batch of {chosen.global_batch}")
+    reference = workload_reference(chosen.name, tiny=args.tiny, sequence=chosen.sequence)
+    precision = "" if args.precision == "float32" else args.precision
+    with spinner(f"measuring the links between {args.ranks} local ranks ...", enabled=args.link and not args.json):
+        links = measure_links(args.ranks) if args.link else []
+    with spinner(f"profiling {args.workload}'s layers in {args.ranks} pinned processes ...", enabled=not args.json):
+        profile = profile_in_lockstep(
+            reference,
+            num_microbatches=chosen.global_batch // size,
+            num_ranks=args.ranks,
+            repeats=args.repeats,
+            precision=precision,
+        )
+    profile.links.extend(links)
+    return profile
+
+
+def _write(profile: profile_pb2.Profile, args: argparse.Namespace) -> None:
+    """Save ``profile`` to ``--out`` and print it (a table, or JSON with ``--json``)."""
+    from octopipe.transform import format_profile  # noqa: PLC0415
+
     save_profile(profile, args.out)
     if args.json:
         sys.stdout.write(
@@ -143,4 +186,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(format_profile(profile))
         sys.stdout.write(f"written: {args.out}\n")
-    return 0
