@@ -9,8 +9,13 @@ equal layer counts, and the tuner's plan -- it
    one profiler per rank, each pinned to its rank's core, each timed sample
    started in all of them together, as the ranks compute in a pipeline) and,
    for comparison, alone (``pipeline.profile_reference``: one process, the
-   other core idle); measures the gloo link (ranks pinned to two distinct
-   cores, many round trips, medians);
+   other core idle), both again after the measured rounds: the predictions
+   use the per-layer mean of the profiles before and after, which bracket the
+   rounds in time (the host's speed drifts: the JSON records how far,
+   ``profile_drift``), and the profile before alone is kept too
+   (``before_ms``: what a user who profiles, then runs, is told); measures
+   the gloo link (ranks pinned to two distinct cores, many round trips,
+   medians);
 2. predicts each plan's step with the simulator (``pipeline.compare``'s costs:
    the profile, the link); the plans: the library schedules with equal
    layer counts, the tuner's plan from the profile and from the calibration;
@@ -59,7 +64,7 @@ from quiet import Environment, add_arguments, start, write_record
 
 from octopipe.execute.runtime import RunOptions, run_local_many, workload_reference
 from octopipe.execute.runtime.linkprobe import measure_link
-from octopipe.execute.runtime.lockstep import profile_in_lockstep
+from octopipe.execute.runtime.lockstep import merge_lockstep, profile_in_lockstep
 from octopipe.execute.runtime.pipeline import calibrate_in_situ, compare, layer_names, profile_reference, tune_reference
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
@@ -106,15 +111,46 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environment) -> dict[str, Any]:
-    reference = workload_reference(name, tiny=True, sequence=16) if args.tiny else workload_reference(name)
-    # the profile every prediction uses: taken as the pipeline runs (each rank on its core, computing together)
-    profile = profile_in_lockstep(reference, num_microbatches=M, num_ranks=P, link=link)
-    alone = profile_reference(reference, num_microbatches=M, num_ranks=P, link=link)  # for comparison only
+def take_profiles(
+    reference: plan_pb2.ModelReference, args: argparse.Namespace, link: Any
+) -> tuple[profile_pb2.Profile, profile_pb2.Profile]:
+    """The workload profiled in lock-step (the predictions' profile) and alone (for comparison), with the runtime's
+    terms where given."""
+    lockstep = profile_in_lockstep(reference, num_microbatches=M, num_ranks=P, link=link)
+    alone = profile_reference(reference, num_microbatches=M, num_ranks=P, link=link)
     if args.runtime_costs is not None:  # the runtime's own terms (bench/runtime_costs.py), as measured
         terms = json.loads(args.runtime_costs.read_text())["terms"]
-        for costs in (profile, alone):
+        for costs in (lockstep, alone):
             costs.runtime.CopyFrom(RuntimeCosts.from_terms(terms).to_proto(source=str(args.runtime_costs)))
+    return lockstep, alone
+
+
+def layer_total_us(profile: profile_pb2.Profile) -> float:
+    """F + I + W over every layer: one number to follow a profile's speed by."""
+    return sum(
+        c.forward_duration_us + c.backward_input_duration_us + c.backward_weight_duration_us for c in profile.layers
+    )
+
+
+def drift(before: profile_pb2.Profile, after: profile_pb2.Profile) -> dict[str, float]:
+    """How far the same layers' times moved between two profiles taken before and after the measured rounds."""
+    changes = [
+        getattr(b, field) / getattr(a, field) - 1.0
+        for a, b in zip(before.layers, after.layers, strict=True)
+        for field in ("forward_duration_us", "backward_input_duration_us", "backward_weight_duration_us")
+        if getattr(a, field) > 0
+    ]
+    return {
+        "total": layer_total_us(after) / layer_total_us(before) - 1.0,
+        "median_abs_per_layer_and_kind": statistics.median(abs(c) for c in changes),
+    }
+
+
+def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environment) -> dict[str, Any]:
+    reference = workload_reference(name, tiny=True, sequence=16) if args.tiny else workload_reference(name)
+    # profiled in lock-step (each rank's core computing together, as in the pipeline), and again after the
+    # measured rounds: the predictions use the per-layer mean of the two, which brackets the rounds in time
+    first, first_alone = take_profiles(reference, args, link)
     timeout = 120.0 if args.tiny else 900.0
     plans = library(reference)
     # in-situ calibration: a short run of the two plain 2-stage plans (1F1B: fused backward; ZB-H1: split)
@@ -122,20 +158,23 @@ def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environm
     sources = [by_schedule["1f1b"], by_schedule["zb-h1"]] * 2
     calibration_runs = run_local_many(sources, RunOptions(steps=args.steps, timeout_s=timeout))
     env.record(calibration_runs[0].cores)
-    in_situ = calibrate_in_situ(profile, list(zip(sources, calibration_runs, strict=True)))
+    in_situ = calibrate_in_situ(first, list(zip(sources, calibration_runs, strict=True)))
     calibrated = in_situ.profile
-    plans += [tuned_plan(profile, "tuned"), tuned_plan(calibrated, "tuned-calibrated")]
+    plans += [tuned_plan(first, "tuned"), tuned_plan(calibrated, "tuned-calibrated")]
     memory_runs = run_local_many(plans, RunOptions(steps=1, timeout_s=timeout, measure_memory=True))
     env.record(memory_runs[0].cores)
     # every plan measured afresh, interleaved: every prediction (profiled or calibrated) is out of sample
     runs = run_local_many(plans * args.rounds, RunOptions(steps=args.steps, timeout_s=timeout))
     env.record(runs[0].cores)
+    last, last_alone = take_profiles(reference, args, link)
+    profile, alone = merge_lockstep([first, last]), merge_lockstep([first_alone, last_alone])  # a median of 2: the mean
     rows: list[dict[str, Any]] = []
     for index, plan in enumerate(plans):
         mine = runs[index :: len(plans)]
         got = compare(plan, profile, mine)
         after = compare(plan, calibrated, mine)
         solo = compare(plan, alone, mine)
+        ahead = compare(plan, first, mine)  # what a user who profiles, then runs, is told
         memory = memory_runs[index].memory
         measured_memory = [int(memory[r]["peak_bytes"]) for r in range(P)]
         memory_errors = [
@@ -154,6 +193,8 @@ def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environm
                 "replay_ms": got.replay_step_us / 1e3,
                 "step_time_error": got.step_time_error,
                 "signed_error": (got.predicted_step_us - got.measured_step_us) / got.measured_step_us,
+                "before_ms": ahead.predicted_step_us / 1e3,
+                "before_error": ahead.step_time_error,
                 "alone_ms": solo.predicted_step_us / 1e3,
                 "alone_error": solo.step_time_error,
                 "alone_signed_error": (solo.predicted_step_us - got.measured_step_us) / got.measured_step_us,
@@ -177,7 +218,10 @@ def bench_workload(name: str, args: argparse.Namespace, link: Any, env: Environm
     ]
     return {
         "workload": name,
-        "profile_conditions": profile.labels["conditions"],
+        "profile_conditions": first.labels["conditions"],
+        # the layers' times after the measured rounds against before them (lock-step, and alone)
+        "profile_drift": drift(first, last),
+        "profile_drift_alone": drift(first_alone, last_alone),
         "calibration": {
             "factors": {str(k): v for k, v in in_situ.factors.items()},
             "latency_us_per_run": list(in_situ.latencies_us),
@@ -208,10 +252,11 @@ def print_table(link: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
         f" {'calib':>7} {'err':>7}"
     )
     print(header + f" {'mem pred/alloc MiB (max rank)':>30} {'mem err':>8}")
-    step_errors, memory_errors, calibrated, alone = [], [], [], []
+    step_errors, memory_errors, calibrated, alone, before = [], [], [], [], []
     for result in results:
         for r in result["rows"]:
             step_errors.append(r["step_time_error"])
+            before.append(r["before_error"])
             alone.append(r["alone_error"])
             calibrated.append(r["calibrated_error"])
             if r["memory_error"] is not None:
@@ -228,11 +273,14 @@ def print_table(link: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
         distinct = "n/a" if tau_distinct is None else f"{tau_distinct:.2f}"
         print(
             f"{result['workload']:<13} Kendall tau {tau_all:.2f} over all {result['pairs']} pairs, {distinct} over "
-            f"the {result['distinct_pairs']} whose predictions differ by more than the noise ({result['noise']:.1%})"
+            f"the {result['distinct_pairs']} whose predictions differ by more than the noise ({result['noise']:.1%}); "
+            f"layer times moved {result['profile_drift']['total']:+.1%} from before to after the rounds "
+            f"(alone: {result['profile_drift_alone']['total']:+.1%})"
         )
     summary = {
         "step_mape": statistics.fmean(step_errors),
         "step_mape_alone": statistics.fmean(alone),
+        "step_mape_before": statistics.fmean(before),
         "calibrated_step_mape": statistics.fmean(calibrated),
         "peak_memory_mape": statistics.fmean(memory_errors) if memory_errors else None,
         "cells": len(step_errors),
@@ -240,8 +288,9 @@ def print_table(link: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
     }
     memory = "n/a" if summary["peak_memory_mape"] is None else f"{summary['peak_memory_mape']:.1%}"
     print(
-        f"MAPE over {len(step_errors)} cells: step time {summary['step_mape']:.1%} from the lock-step profile "
-        f"({summary['step_mape_alone']:.1%} from one taken alone), {summary['calibrated_step_mape']:.1%} "
+        f"MAPE over {len(step_errors)} cells: step time {summary['step_mape']:.1%} from the lock-step profiles "
+        f"before and after ({summary['step_mape_before']:.1%} from the one before alone, "
+        f"{summary['step_mape_alone']:.1%} from profiles taken alone), {summary['calibrated_step_mape']:.1%} "
         f"calibrated in situ (from separate runs), peak memory {memory}"
     )
     return summary
