@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         chosen = replace(chosen, sequence=args.sequence)
     if args.link and args.ranks < 2:
         raise ValueError(f"--ranks {args.ranks}: a link needs at least 2 ranks")
-    if args.lockstep and (args.device != "cpu" or args.compile != "eager"):
+    if args.lockstep and (Device.parse(rank_device(args.device, 0)).is_cuda or args.compile != "eager"):
         raise ValueError("--lockstep profiles eager graphs on this machine's CPU cores: drop --device/--compile")
     size = args.microbatch_size or chosen.microbatch_size
     if args.lockstep:
