@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from octopipe.capture import GraphStage, ModelGraph, split_graph, tied_parameters
+from octopipe.capture import CaptureConfig, GraphStage, ModelGraph, split_graph, tied_parameters
 from octopipe.transform import StageExecutable, compile_stage
 
 
@@ -56,11 +56,12 @@ def run_graph_split(
     *,
     fused: bool,
     seed: int = 0,
+    config: CaptureConfig | None = None,
 ) -> Split:
     """Capture every stage, F all stages, then B (or the fused backward) in reverse, W last."""
     stages = split_graph(graph, partition, allow_tied=True)
     examples = example_activations(stages, graph)
-    executables = [compile_stage(stage, examples[s], stage_index=s) for s, stage in enumerate(stages)]
+    executables = [compile_stage(stage, examples[s], config=config, stage_index=s) for s, stage in enumerate(stages)]
     torch.manual_seed(seed)
     contexts = []
     values = [inputs[n] for n in stages[0].boundary_names]

@@ -17,7 +17,8 @@ Their gradients must be summed across those stages before the optimizer step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,8 @@ from octopipe.capture.types import CaptureError
 
 __all__ = ["GraphStage", "TiedParameter", "split_graph", "tied_parameters"]
 
+#: node meta key: the index (in its stage) of the layer whose module call the node ran in
+LAYER_META = "octopipe_layer_index"
 _RANDOM = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "randperm", "exponential")
 
 
@@ -84,6 +87,7 @@ class GraphStage(StageModule):
         self.output_names = tuple(output_names)
         self.input_requires_grad: tuple[bool, ...] = tuple(False for _ in input_names)
         self.output_requires_grad: tuple[bool, ...] = tuple(True for _ in output_names)
+        self._region: Callable[[int], contextlib.AbstractContextManager[None]] | None = None
         for name, param in params:
             self._container(name).register_parameter(name.rsplit(".", 1)[-1], param)
         for name, buffer in buffers:
@@ -110,6 +114,15 @@ class GraphStage(StageModule):
             parent = child
         return parent
 
+    @contextlib.contextmanager
+    def layer_regions(self, region: Callable[[int], contextlib.AbstractContextManager[None]]) -> Iterator[None]:
+        """Inside, the forward runs each node of the stage's i-th layer within ``region(i)`` (glue code outside)."""
+        self._region = region
+        try:
+            yield
+        finally:
+            self._region = None
+
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:  # type: ignore[override]
         if len(inputs) != len(self.input_names):
             raise ValueError(
@@ -118,8 +131,35 @@ class GraphStage(StageModule):
             )
         # plain attribute lookups: under functional_call (capture) the parameters are plain tensors
         state = [self._lookup(n) for n in (*self.param_order, *self.buffer_order)]
-        outputs = tuple(self.graph(*state, *inputs))
+        if self._region is None:
+            outputs = tuple(self.graph(*state, *inputs))
+        else:
+            outputs = tuple(_RegionInterpreter(self.graph, self._region).run(*state, *inputs))
         return outputs[0] if len(outputs) == 1 else outputs
+
+
+class _RegionInterpreter(fx.Interpreter):
+    """Runs a stage graph node by node, each layer's ops inside that layer's region.
+
+    The region is entered around the op itself, inside the interpreter's own node context (which replaces
+    the tracing metadata with the node's), so the ops it records carry the region's annotation."""
+
+    def __init__(
+        self, module: fx.GraphModule, region: Callable[[int], contextlib.AbstractContextManager[None]]
+    ) -> None:
+        super().__init__(module)
+        self._layer_region = region
+        self._layer: int | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        self._layer = n.meta.get(LAYER_META)
+        return super().run_node(n)
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if self._layer is None:
+            return super().call_function(target, args, kwargs)
+        with self._layer_region(self._layer):
+            return super().call_function(target, args, kwargs)
 
 
 def _is_random(node: fx.Node) -> bool:
@@ -291,9 +331,11 @@ def _build_stage(
     for node in [*inputs, *targets]:
         env[node] = new.placeholder(node.name)
         env[node].meta = dict(node.meta)
+    layer_index = {name: i for i, name in enumerate(layer_names)}
     for node in source.graph.nodes:
         if node in keep and node not in env:
             env[node] = new.node_copy(node, lambda n: env[n])
+            env[node].meta[LAYER_META] = layer_index.get(graph.node_layer.get(node.name, ""))
     results = []
     for node in outputs:
         value = env[node]

@@ -8,7 +8,8 @@ the last one also takes the target and returns the loss.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -43,6 +44,7 @@ class StageModule(nn.Module):
         self.layer_names = tuple(layer.name for layer in layers)
         self._runs = tuple(layer.run for layer in layers)
         self._loss = loss
+        self._region: Callable[[int], contextlib.AbstractContextManager[None]] | None = None
         for path in dict.fromkeys(p for layer in layers for p in layer.modules):
             self._attach(model, path)
 
@@ -62,6 +64,15 @@ class StageModule(nn.Module):
             # a container made for inner paths is replaced by the real module, which holds them
             parent._modules[parts[-1]] = model.get_submodule(path)
 
+    @contextlib.contextmanager
+    def layer_regions(self, region: Callable[[int], contextlib.AbstractContextManager[None]]) -> Iterator[None]:
+        """Inside, the forward runs the stage's i-th layer within ``region(i)`` (capture marks each layer)."""
+        self._region = region
+        try:
+            yield
+        finally:
+            self._region = None
+
     def replace_loss(self, loss: LossFn) -> None:
         """Compute the last stage's loss with ``loss(stage, output, target)`` instead (tensor parallelism's
         vocabulary-parallel cross-entropy: the same value from a split head). Only the last stage has a loss."""
@@ -78,8 +89,12 @@ class StageModule(nn.Module):
         return self.stage_index == self.num_stages - 1
 
     def forward(self, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
-        for run in self._runs:
-            x = run(self, x)
+        for i, run in enumerate(self._runs):
+            if self._region is None:
+                x = run(self, x)
+            else:
+                with self._region(i):
+                    x = run(self, x)
         if self._loss is None:
             return x
         if target is None:

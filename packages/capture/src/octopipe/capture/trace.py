@@ -10,6 +10,16 @@ Activation checkpointing (``torch.utils.checkpoint.checkpoint`` with
 drop it and save the region's activations, so during capture each checkpointed
 call is annotated, its forward nodes are tagged "must recompute", and the
 min-cut partitioner recomputes them in the backward graph.
+
+Recomputation chosen by octopipe, per stage (``CaptureConfig.recompute``):
+``layers`` marks every non-random op inside each of the stage's layers "must
+recompute" (one region per layer), so the backward keeps only each layer's
+input and recomputes its internals -- full activation checkpointing, on the
+graph; ``budget`` runs the min-cut partitioner under AOTAutograd's activation
+memory budget (the fraction of the saved bytes it may keep). Recomputation
+re-runs the same ops on the same inputs, so the gradients are bitwise those
+of saving everything; random ops are never recomputed (their outputs are
+saved), so the RNG is drawn as often as eager autograd draws it.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from typing import Any, Literal
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import fx, nn
+from torch._functorch import config as functorch_config
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch.func import functional_call
@@ -30,9 +41,18 @@ from torch.func import functional_call
 from octopipe.capture.graphs import StageGraphs
 from octopipe.capture.types import CaptureError
 
-__all__ = ["CaptureConfig", "capture_stage", "live_nodes", "prune_dead_nodes"]
+__all__ = ["RECOMPUTE_POLICIES", "CaptureConfig", "RecomputePolicy", "capture_stage", "live_nodes", "prune_dead_nodes"]
 
 _RECOMPUTE_KEY = "octopipe_recompute_region"
+_LAYER_KEY = "octopipe_layer_region"
+#: region ids of octopipe's layer regions start here, clear of the checkpoint regions' ids
+_LAYER_REGION_BASE = 1 << 20
+
+#: ``none``: save what the backward reads; ``layers``: recompute each layer's internals; ``budget``: min-cut
+#: under ``activation_budget``
+RecomputePolicy = Literal["none", "layers", "budget"]
+RECOMPUTE_POLICIES: tuple[RecomputePolicy, ...] = ("none", "layers", "budget")
+_RANDOM_OPS = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "randperm", "exponential")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -46,6 +66,26 @@ class CaptureConfig:
 
     route: Literal["auto", "direct", "export"] = "auto"
     partitioner: Literal["default", "min_cut"] = "default"
+    #: what the backward recomputes instead of saving (module docstring); ``layers`` needs a stage from
+    #: ``split_model`` or ``split_graph`` (it knows its layers)
+    recompute: RecomputePolicy = "none"
+    #: for ``budget``: the fraction of the saved activation bytes the partitioner may keep, in [0, 1]
+    activation_budget: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE_POLICIES:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {self.recompute!r}")
+        if not 0.0 <= self.activation_budget <= 1.0:
+            raise ValueError(
+                f"activation_budget is a fraction of the saved bytes in [0, 1], got {self.activation_budget}"
+            )
+        if self.recompute != "budget" and self.activation_budget != 1.0:
+            raise ValueError("activation_budget applies only with recompute='budget'")
+
+    @property
+    def recompute_label(self) -> str:
+        """``none``, ``layers`` or ``budget:F``: the policy as plans and profiles name it."""
+        return f"budget:{self.activation_budget:g}" if self.recompute == "budget" else self.recompute
 
 
 @contextlib.contextmanager
@@ -74,19 +114,33 @@ def _annotate_checkpoints(counter: Iterator[int]) -> Iterator[bool]:
         setattr(torch_checkpoint, "_checkpoint_without_reentrant_generator", original)  # noqa: B010
 
 
+@contextlib.contextmanager
+def _layer_region(layer: int) -> Iterator[None]:
+    with torch.fx.traceback.annotate({_LAYER_KEY: layer}):
+        yield
+
+
 def _partition(partitioner: str, regions: list[int]) -> Callable[..., Any]:
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         from torch.utils.checkpoint import CheckpointPolicy  # noqa: PLC0415
 
         tagged = set()
+        layers = set()
         for node in joint.graph.nodes:
-            region = (node.meta.get("custom") or {}).get(_RECOMPUTE_KEY)
-            if region is not None and node.op == "call_function" and node.meta.get("partitioner_tag") != "is_backward":
+            if node.op != "call_function" or node.meta.get("partitioner_tag") == "is_backward":
+                continue
+            custom = node.meta.get("custom") or {}
+            region, layer = custom.get(_RECOMPUTE_KEY), custom.get(_LAYER_KEY)
+            if region is not None:
                 node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 node.meta["ac_graph_id"] = region
                 tagged.add(region)
+            elif layer is not None and not any(word in str(node.target) for word in _RANDOM_OPS):
+                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                node.meta["ac_graph_id"] = _LAYER_REGION_BASE + layer
+                layers.add(layer)
         regions.extend(sorted(tagged))
-        if tagged or partitioner == "min_cut":
+        if tagged or layers or partitioner == "min_cut":
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         return default_partition(joint, joint_inputs, **kwargs)
 
@@ -159,12 +213,24 @@ def _trace(
         return compiler
 
     regions: list[int] = []
-    with _annotate_checkpoints(itertools.count()):
+    budget = config.activation_budget if config.recompute == "budget" else 1.0
+    partitioner = "min_cut" if config.recompute == "budget" else config.partitioner
+    layer_regions = getattr(module, "layer_regions", None) if config.recompute == "layers" else None
+    if config.recompute == "layers" and layer_regions is None:
+        raise CaptureError(
+            f"recompute='layers' needs a stage that knows its layers ({type(module).__name__} does not): "
+            "split the model with split_model or split_graph, or use recompute='budget'"
+        )
+    with contextlib.ExitStack() as scope:
+        scope.enter_context(_annotate_checkpoints(itertools.count()))
+        scope.enter_context(functorch_config.patch(activation_memory_budget=budget))
+        if layer_regions is not None:
+            scope.enter_context(layer_regions(_layer_region))
         compiled = aot_function(
             joint,
             fw_compiler=keep("forward"),
             bw_compiler=keep("backward"),
-            partition_fn=_partition(config.partitioner, regions),
+            partition_fn=_partition(partitioner, regions),
         )
         args = [p.detach().requires_grad_(p.requires_grad) for p in params]
         args += [b.detach() for b in buffers]

@@ -37,6 +37,7 @@ from octopipe.ir.plan import (
     validate_plan,
 )
 from octopipe.ir.program import Program, compile_plan
+from octopipe.ir.recompute import RECOMPUTE_NAMES, Recompute, check_recompute, recompute_of, with_recompute
 from octopipe.ir.text import plan_from_text, plan_to_text
 from octopipe.ir.torch_csv import CsvFormat, plan_from_torch_csv, plan_to_torch_csv
 
@@ -48,6 +49,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 __all__ = [
     "COMPUTE_DTYPES",
     "PLACEMENTS",
+    "RECOMPUTE_NAMES",
     "Action",
     "ActionCountError",
     "ActionKind",
@@ -61,6 +63,7 @@ __all__ = [
     "PlanError",
     "PlanFormat",
     "Program",
+    "Recompute",
     "StageSpec",
     "VerificationError",
     "__version__",
@@ -69,6 +72,7 @@ __all__ = [
     "add_p2p_actions",
     "build_plan",
     "check_mesh_model",
+    "check_recompute",
     "compile_plan",
     "compute_dtype",
     "format_action",
@@ -84,8 +88,10 @@ __all__ = [
     "plan_to_text",
     "plan_to_torch_csv",
     "rank_actions",
+    "recompute_of",
     "save_plan",
     "stage_ranks",
     "validate_plan",
     "with_collectives",
+    "with_recompute",
 ]

@@ -9,6 +9,7 @@ from typing import Final
 from octopipe.ir.actions import Action, action_from_proto, action_to_proto, parse_action
 from octopipe.ir.mesh import mesh_spec
 from octopipe.ir.plan_error import PlanError
+from octopipe.ir.recompute import check_recompute
 from octopipe.plan.v1 import plan_pb2
 
 __all__ = [
@@ -129,6 +130,7 @@ def validate_plan(plan: plan_pb2.Plan) -> None:
                     f"layer {layer!r} is in stage {seen_layers[layer]} and stage {position}: a layer belongs to one stage"
                 )
             seen_layers[layer] = position
+        check_recompute(stage)
     mesh_spec(plan)
     compute_dtype(plan)
     placement = stage_ranks(plan)

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from octopipe.ir.actions import ActionKind
+from octopipe.ir.recompute import recompute_of
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate.collectives import GroupLinks
@@ -25,12 +26,14 @@ from octopipe.simulate.runtime_costs import RuntimeCosts
 from octopipe.simulate.tensor_parallel import ParallelTraffic, split_layers
 
 __all__ = [
+    "RECOMPUTED_FIELDS",
     "CostModel",
     "Link",
     "OverlapModel",
     "StageCost",
     "TiedExchange",
     "durations_from_timelines",
+    "recomputed_cost",
     "stage_cost_from_layers",
     "tied_exchanges",
 ]
@@ -313,9 +316,12 @@ class CostModel:
         tp, cp = (plan.mesh.tp or 1, plan.mesh.cp or 1) if plan.HasField("mesh") else (1, 1)
         sp = plan.HasField("mesh") and plan.mesh.sequence_parallel
         costs = [
-            _stage_cost(index, names, layers, collective_bandwidth_bytes_per_second, tp, cp, sp)
+            _stage_cost(
+                index, names, layers, collective_bandwidth_bytes_per_second, tp, cp, sp,
+                recompute=recompute_of(plan.stages[index]).label,
+            )
             for index, names in enumerate(stage_layers)
-        ]
+        ]  # fmt: skip
         links = {}
         for message in profile.links:
             key = (message.source_rank, message.destination_rank)
@@ -449,6 +455,8 @@ def _stage_cost(
     tp: int = 1,
     cp: int = 1,
     sequence_parallel: bool = False,
+    *,
+    recompute: str = "none",
 ) -> StageCost:
     if not names:
         raise ValueError(
@@ -461,7 +469,7 @@ def _stage_cost(
         raise ValueError(f"stage {index}: layers {missing} are not in the profile: profile them or fix the plan")
     try:
         return stage_cost_from_layers(
-            [layers[name] for name in names],
+            [recomputed_cost(layers[name], recompute) for name in names],
             collective_bandwidth=collective_bandwidth,
             tp=tp,
             cp=cp,
@@ -469,6 +477,52 @@ def _stage_cost(
         )
     except ValueError as exc:
         raise ValueError(f"stage {index} (layers {list(names)}): {exc}") from None
+
+
+#: the LayerCost fields recomputation changes: a layer under a policy is its profiled cost with these taken
+#: from the policy's ``recomputed`` entry (sizes of parameters, experts, boundaries and traffic stay)
+RECOMPUTED_FIELDS = (
+    "forward_duration_us",
+    "backward_input_duration_us",
+    "backward_weight_duration_us",
+    "full_backward_duration_us",
+    "activation_saved_bytes",
+    "activation_freed_by_backward_input_bytes",
+    "activation_freed_by_backward_weight_bytes",
+    "forward_scratch_bytes",
+    "backward_input_scratch_bytes",
+    "backward_weight_scratch_bytes",
+    "full_backward_scratch_bytes",
+    "backward_input_kept_bytes",
+)
+
+
+def recomputed_cost(layer: profile_pb2.LayerCost, recompute: str) -> profile_pb2.LayerCost:
+    """``layer`` as a stage with recomputation policy ``recompute`` (``none``, ``layers``, ``budget:F``) runs it.
+
+    Refused, naming the policies profiled, when the profile has no entry for it: a plan that recomputes is
+    never simulated as if it saved everything."""
+    if recompute == "none":
+        return layer
+    variant = next((v for v in layer.recomputed if v.recompute == recompute), None)
+    if variant is None:
+        have = sorted(v.recompute for v in layer.recomputed) or ["none"]
+        raise ValueError(
+            f"layer {layer.layer_name!r} was not profiled with recompute policy {recompute!r} (profiled: "
+            f"{', '.join(have)}): profile with that policy (ProfilerConfig.recompute, octopipe profile --recompute)"
+        )
+    out = profile_pb2.LayerCost()
+    out.CopyFrom(layer)
+    out.ClearField("recomputed")
+    for name in RECOMPUTED_FIELDS:
+        if name != "full_backward_duration_us":
+            setattr(out, name, getattr(variant, name))
+    if variant.HasField("full_backward_duration_us"):
+        out.full_backward_duration_us = variant.full_backward_duration_us
+    else:
+        out.ClearField("full_backward_duration_us")
+    out.recompute = recompute
+    return out
 
 
 def stage_cost_from_layers(

@@ -115,18 +115,29 @@ class StageCompiler:
         stage_index: int,
         sharded: bool = False,
         key: Hashable | None = None,
+        config: CaptureConfig | None = None,
     ) -> CompiledStage:
         """Capture ``stage`` on ``inputs`` and run the passes; reuse the result for a key seen before.
+
+        ``config`` replaces the compiler's capture configuration for this stage (a plan's per-stage
+        recomputation policy); it is part of the cache key.
 
         ``sharded``: the stage's parameters are FSDP shards (``shard_parameters``): the capture
         holds their all-gathers and reduce-scatters, split out here as UNSHARD and REDUCE_GRAD and
         bucketed by ``buckets``.
         Without ``key`` nothing is cached.
         """
-        cache_key = (key, sharded) if key is not None else None
+        config = config or self.config
+        if sharded and config is not None and config.recompute != "none":
+            raise ValueError(
+                f"stage {stage_index}: recomputation ({config.recompute}) with FSDP-sharded parameters is not "
+                "supported (the backward would gather the parameters again): drop the stage's recompute policy or "
+                "the mesh's dp sharding"
+            )
+        cache_key = (key, sharded, config) if key is not None else None
         if cache_key is not None and cache_key in self._stages:
             return self._stages[cache_key]
-        graphs = capture_stage(stage, list(inputs), config=self.config, stage_index=stage_index)
+        graphs = capture_stage(stage, list(inputs), config=config, stage_index=stage_index)
         # parameter collectives are those over the groups the shards name; tp / cp activations' stay in F and B
         groups = {spec.group_name for spec in shard_specs(stage).values()} if sharded else None
         fsdp = bucket_collectives(split_fsdp(graphs, groups=groups or None), self.buckets) if sharded else None
@@ -152,16 +163,29 @@ class StageCompiler:
         return compiled
 
     def executable(
-        self, stage: nn.Module, inputs: Sequence[torch.Tensor], *, stage_index: int, key: Hashable | None = None
+        self,
+        stage: nn.Module,
+        inputs: Sequence[torch.Tensor],
+        *,
+        stage_index: int,
+        key: Hashable | None = None,
+        config: CaptureConfig | None = None,
     ) -> StageExecutable:
         """Compile (or reuse) and bind to ``stage``'s parameters."""
-        return self.compile(stage, inputs, stage_index=stage_index, key=key).bind(stage)
+        return self.compile(stage, inputs, stage_index=stage_index, key=key, config=config).bind(stage)
 
     def fsdp_stage(
-        self, stage: nn.Module, inputs: Sequence[torch.Tensor], *, stage_index: int, key: Hashable | None = None
+        self,
+        stage: nn.Module,
+        inputs: Sequence[torch.Tensor],
+        *,
+        stage_index: int,
+        key: Hashable | None = None,
+        config: CaptureConfig | None = None,
     ) -> FSDPStage:
         """Compile (or reuse) a stage whose parameters are sharded, and bind it to its shards."""
-        return self.compile(stage, inputs, stage_index=stage_index, sharded=True, key=key).bind_sharded(stage)
+        compiled = self.compile(stage, inputs, stage_index=stage_index, sharded=True, key=key, config=config)
+        return compiled.bind_sharded(stage)
 
     def overlap(self, forward: StageExecutable, backward: StageExecutable, kind: BackwardKind) -> OverlapStage:
         """The OVERLAP_F_B stage for two bound stages, on the (cached) multiplexed graph of their graphs."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from octopipe.capture import PipelineSpec, StageModule, pipeline_spec
+from octopipe.capture import CaptureConfig, PipelineSpec, StageModule, pipeline_spec
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.transform.compiler import StageCompiler
@@ -54,7 +54,9 @@ class ProfilerConfig:
     sees); the Profile's ``evict_bytes`` label records it. ``before_sample``: called right before each sample's
     clock starts (after its preparation and eviction): profilers in several processes, each running the same
     layers, pass a barrier's wait so that their samples run together, as a pipeline's ranks compute together
-    (``octopipe.execute.runtime.lockstep``)."""
+    (``octopipe.execute.runtime.lockstep``). ``recompute``: recomputation policies (capture configurations with
+    ``recompute`` set) each layer is also compiled and profiled with; each lands in the layer's ``recomputed``
+    under its label (``layers``, ``budget:0.5``), for plans whose stages recompute."""
 
     repeats: int = 5
     warmup: int = 2
@@ -63,8 +65,12 @@ class ProfilerConfig:
     host_memory: HostMemory = "reuse"
     evict_bytes: int = 0
     before_sample: Callable[[], object] | None = None
+    recompute: tuple[CaptureConfig, ...] = ()
 
     def __post_init__(self) -> None:
+        labels = [c.recompute_label for c in self.recompute]
+        if "none" in labels or len(set(labels)) != len(labels):
+            raise ValueError(f"recompute lists policies to profile besides saving, each once; got {labels}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {self.repeats} and {self.warmup}")
         if self.evict_bytes < 0:
@@ -147,8 +153,9 @@ def profile_layers(
         last = index == count - 1
         stage = StageModule(model, [layer], stage_index=index, num_stages=count, loss=spec.loss if last else None)
         stage_inputs = [x, target] if last else [x]
-        exe = compiler.executable(stage, stage_inputs, stage_index=index, key=_key("layer", layer.name, stage_inputs))
-        profile.layers.append(_profiled(exe, stage_inputs, config, layer.name, kind_of(layer.name), index, last))
+        key = _key("layer", layer.name, stage_inputs)
+        profiled = _variants(compiler, stage, stage_inputs, key, config, layer.name, kind_of(layer.name), index, last)
+        profile.layers.append(profiled)
         _expert_costs(profile.layers[-1], stage, x)
         with torch.no_grad():
             x = stage(*stage_inputs)
@@ -181,9 +188,9 @@ def profile_stages(
     kind_of = layer_kind or (lambda name: "layer")
     profile = _new_profile(microbatch_size, config, links, model_reference)
     for index, (stage, inputs, name) in enumerate(zip(stages, examples, layer_names, strict=True)):
-        exe = compiler.executable(stage, list(inputs), stage_index=index, key=_key("stage", name, inputs))
         last = index == len(stages) - 1
-        profile.layers.append(_profiled(exe, list(inputs), config, name, kind_of(name), index, last))
+        key = _key("stage", name, inputs)
+        profile.layers.append(_variants(compiler, stage, list(inputs), key, config, name, kind_of(name), index, last))
     return profile
 
 
@@ -234,6 +241,28 @@ def _profiled(
                 dtype=str(out.dtype).removeprefix("torch."),
                 size_bytes=out.numel() * out.element_size(),
             )
+    return cost
+
+
+def _variants(
+    compiler: StageCompiler,
+    stage: nn.Module,
+    inputs: list[torch.Tensor],
+    key: tuple[object, ...],
+    config: ProfilerConfig,
+    name: str,
+    kind: str,
+    index: int,
+    last: bool,
+) -> profile_pb2.LayerCost:
+    """The layer's cost as compiled by ``compiler``, with one ``recomputed`` entry per policy of ``config``."""
+    exe = compiler.executable(stage, inputs, stage_index=index, key=key)
+    cost = _profiled(exe, inputs, config, name, kind, index, last)
+    for policy in config.recompute:
+        variant_exe = compiler.executable(stage, inputs, stage_index=index, key=key, config=policy)
+        variant = _profiled(variant_exe, inputs, config, name, kind, index, last)
+        variant.recompute = policy.recompute_label
+        cost.recomputed.append(variant)
     return cost
 
 

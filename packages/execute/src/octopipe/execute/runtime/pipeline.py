@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from octopipe.capture import pipeline_spec, trace_model
+from octopipe.capture import CaptureConfig, pipeline_spec, trace_model
 from octopipe.execute.runtime import (
     RunResult,
     build_model,
@@ -94,8 +94,12 @@ def profile_reference(
     device: str = "cpu",
     evict_bytes: int = 0,
     before_sample: Callable[[], object] | None = None,
+    recompute: Sequence[CaptureConfig] = (),
 ) -> profile_pb2.Profile:
     """Profile the layers of the model ``reference`` names on one micro-batch of its step-0 batch.
+
+    ``recompute``: ``ProfilerConfig.recompute`` (each layer also profiled under these recomputation policies,
+    for plans whose stages recompute).
 
     ``before_sample``: ``ProfilerConfig.before_sample`` (``runtime.lockstep`` profiles in one pinned process
     per rank, their samples started together by it).
@@ -132,7 +136,13 @@ def profile_reference(
             "choose a micro-batch count that divides it"
         )
     links = local_links(link, num_ranks) if link is not None else ()
-    config = ProfilerConfig(repeats=repeats, device=where, evict_bytes=evict_bytes, before_sample=before_sample)
+    config = ProfilerConfig(
+        repeats=repeats,
+        device=where,
+        evict_bytes=evict_bytes,
+        before_sample=before_sample,
+        recompute=tuple(recompute),
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

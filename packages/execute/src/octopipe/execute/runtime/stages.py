@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from octopipe.capture import StageModule, split_model
+from octopipe.capture import CaptureConfig, StageModule, split_model
 from octopipe.execute.runtime.interpreter import ShardedStage
 from octopipe.execute.runtime.mesh import MeshRank
 from octopipe.execute.runtime.models import BuiltModel
@@ -32,10 +32,25 @@ from octopipe.execute.runtime.whole_model import (
     layer_boundaries,
     whole_model_stages,
 )
+from octopipe.ir import recompute_of
 from octopipe.plan.v1 import plan_pb2
 from octopipe.transform import StageCompiler, StageExecutable
 
-__all__ = ["RankStages", "rank_stages", "split_batch", "stage_key"]
+__all__ = ["RankStages", "capture_config", "rank_stages", "split_batch", "stage_key"]
+
+
+def capture_config(stage: plan_pb2.Stage, base: CaptureConfig | None) -> CaptureConfig | None:
+    """The capture configuration of one plan stage: ``base`` with the stage's recomputation policy."""
+    policy = recompute_of(stage)
+    if policy.policy == "none":
+        return base
+    base = base or CaptureConfig()
+    return CaptureConfig(
+        route=base.route,
+        partitioner=base.partitioner,
+        recompute=policy.policy,
+        activation_budget=policy.activation_budget,
+    )
 
 
 def split_batch(tokens: torch.Tensor, targets: torch.Tensor, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -115,6 +130,13 @@ def rank_stages(
     if materialize is not None and on_meta:
         materialize(stages, mine)
     executables: dict[int, StageExecutable | ShardedStage]
+    recomputing = [s for s in mine if recompute_of(plan.stages[s]).policy != "none"]
+    if recomputing and (mesh.sharded or mesh.split_layers):
+        raise ValueError(
+            f"stages {recomputing} recompute activations, which this version runs only without a mesh "
+            "(dp = tp = cp = ep = 1: the backward would repeat the mesh's collectives): drop their recompute "
+            "policy or the mesh"
+        )
     if mesh.sharded:
         executables = dict(mesh.compile(stages, inputs, compiler, built.model))
     else:
@@ -126,7 +148,13 @@ def rank_stages(
                 )
             mesh.split(stages, mine, built.model)
         executables = {
-            s: compiler.executable(stages[s], inputs[s], stage_index=s, key=stage_key(stages[s], inputs[s], model_key))
+            s: compiler.executable(
+                stages[s],
+                inputs[s],
+                stage_index=s,
+                key=stage_key(stages[s], inputs[s], model_key),
+                config=capture_config(plan.stages[s], compiler.config),
+            )
             for s in mine
         }
     return RankStages(modules=stages, executables=executables, boundaries=boundaries, whole=whole, first=first)
