@@ -178,6 +178,27 @@ def test_convert_between_formats(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert last_rank.endswith("2B4,2REDUCE_GRAD,2SEND_B4")  # torch's runtime scales the gradients there
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--recompute", "none"], "--recompute none: saving is always profiled"),
+        (["--recompute", "budget:3"], "write budget:F with F a fraction in [0, 1]"),
+        (["--recompute", "layers", "layers"], "a policy is listed twice"),
+        (["--recompute", "layers", "--lockstep"], "--lockstep does not profile recomputation policies yet"),
+    ],
+)
+def test_profile_refuses_bad_recompute_policies(tmp_path: Path, flags: list[str], message: str) -> None:
+    result = subprocess.run(
+        [*OCTOPIPE, "profile", "--tiny", *flags, "--out", str(tmp_path / "p.binpb")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert not (tmp_path / "p.binpb").exists()
+
+
 @pytest.mark.extended  # 15-20 s; test_run_cmd's default test profiles with the same command
 def test_profile_writes_a_profile(tmp_path: Path) -> None:
     from octopipe.profile.v1 import profile_pb2
@@ -194,6 +215,8 @@ def test_profile_writes_a_profile(tmp_path: Path) -> None:
             "8",
             "--repeats",
             "1",
+            "--recompute",
+            "layers",
             "--out",
             str(out),
         ],
@@ -204,6 +227,9 @@ def test_profile_writes_a_profile(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     profile = profile_pb2.Profile.FromString(out.read_bytes())
     assert profile.model.name == "nemotronh-16"
+    assert all([v.recompute for v in c.recomputed] == ["layers"] for c in profile.layers)
+    inner = [c for c in profile.layers if c.layer_type == "mamba2"]
+    assert all(c.recomputed[0].activation_saved_bytes < c.activation_saved_bytes for c in inner)
     assert [c.layer_type for c in profile.layers][:4] == ["embedding", "mamba2", "relu2", "mamba2"]
     assert "layers.5" in result.stdout and f"written: {out}" in result.stdout
     bad = subprocess.run(

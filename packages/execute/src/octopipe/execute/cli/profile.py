@@ -62,6 +62,14 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
         help="profile as the pipeline's ranks run: one pinned process per rank (--ranks), each on its own core, "
         "every timed sample started in all of them together (cpu, eager); the median over them is written",
     )
+    parser.add_argument(
+        "--recompute",
+        nargs="+",
+        default=[],
+        metavar="POLICY",
+        help="also profile every layer under these recomputation policies (layers, budget:F), for plans whose "
+        "stages recompute (Stage.recompute); each lands in the layer's `recomputed`",
+    )
     parser.add_argument("--out", type=Path, default=Path("out/profile.binpb"), help=".binpb or .json")
     parser.add_argument("--json", action="store_true", help="print the Profile as JSON instead of a table")
 
@@ -117,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--ranks {args.ranks}: a link needs at least 2 ranks")
     if args.lockstep and (Device.parse(rank_device(args.device, 0)).is_cuda or args.compile != "eager"):
         raise ValueError("--lockstep profiles eager graphs on this machine's CPU cores: drop --device/--compile")
+    recompute = _recompute_configs(args.recompute)
+    if args.lockstep and recompute:
+        raise ValueError("--lockstep does not profile recomputation policies yet: drop --recompute or --lockstep")
     size = args.microbatch_size or chosen.microbatch_size
     if args.lockstep:
         profile = _profile_in_lockstep(args, chosen, size)
@@ -137,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
             model,
             tokens[:size],
             targets[:size],
-            config=ProfilerConfig(repeats=args.repeats, device=device),
+            config=ProfilerConfig(repeats=args.repeats, device=device, recompute=recompute),
             links=links,
             model_reference=reference,
             compiler=StageCompiler(backend=stage_backend(args.compile)),
@@ -148,6 +159,22 @@ def run(args: argparse.Namespace) -> int:
         profile.precision.compute_dtype = args.precision
     _write(profile, args)
     return 0
+
+
+def _recompute_configs(policies: list[str]) -> tuple[Any, ...]:
+    """``--recompute``'s policies as capture configurations, checked (``none`` is always profiled)."""
+    from octopipe.capture import CaptureConfig  # noqa: PLC0415
+    from octopipe.ir import Recompute  # noqa: PLC0415
+
+    out = []
+    for text in policies:
+        parsed = Recompute.parse(text)
+        if parsed.policy == "none":
+            raise ValueError("--recompute none: saving is always profiled; list only layers or budget:F")
+        out.append(CaptureConfig(recompute=parsed.policy, activation_budget=parsed.activation_budget))
+    if len({c.recompute_label for c in out}) != len(out):
+        raise ValueError(f"--recompute {' '.join(policies)}: a policy is listed twice")
+    return tuple(out)
 
 
 def _profile_in_lockstep(args: argparse.Namespace, chosen: Any, size: int) -> profile_pb2.Profile:
