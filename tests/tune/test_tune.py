@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import replace
 
 import pytest
@@ -275,8 +276,17 @@ def test_tune_config_says_what_to_change() -> None:
         TuneConfig(num_ranks=2, num_microbatches=2, families=("ring",))
     with pytest.raises(ValueError, match="at least 4 layers"):
         tune(profile_of([(1, 1, 1, 1)] * 3), TuneConfig(num_ranks=4, num_microbatches=4))
-    with pytest.raises(ValueError, match="no plan fits"):
+    with pytest.raises(ValueError, match="no plan fits") as refused:
         tune(profile_of([(1, 1, 1, 100)] * 4), TuneConfig(num_ranks=2, num_microbatches=4, memory_cap_bytes=10))
+    # the refusal names the closest plan's peaks, and the cap that plan would fit
+    match = re.search(
+        r"whose peak per rank is \[(\d+), (\d+)\] bytes, (\d+) bytes over in all \(a cap of (\d+) bytes per rank fits that plan\)",
+        str(refused.value),
+    )
+    assert match is not None, str(refused.value)
+    peaks = [int(match.group(1)), int(match.group(2))]
+    assert int(match.group(3)) == sum(max(0, peak - 10) for peak in peaks)
+    assert int(match.group(4)) == max(peaks)
 
 
 # --- the exact baseline ---

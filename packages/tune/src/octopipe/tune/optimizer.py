@@ -205,8 +205,12 @@ def tune(
     best, choice = _simplest_within(finalists, fastest, config.min_gain)
     score, skeleton, bounds, name, family_label = best
     if not score.fits:
+        peaks = [r.peak_memory_bytes for r in score.estimate.ranks] if score.estimate is not None else []
+        closest = f"{name} ({family_label}), whose peak per rank is {peaks} bytes" if peaks else name
         raise ValueError(
-            f"no plan fits the memory caps {dict(caps)} (closest: {score.excess_bytes} bytes over): "
+            f"no plan fits the memory caps {dict(caps)}: the closest the search reached is {closest}, "
+            f"{score.excess_bytes} bytes over in all (a cap of {max(peaks, default=0)} bytes per rank fits that "
+            "plan); "
             "raise the caps, use fewer micro-batches in flight (more ranks) or a smaller micro-batch"
         )
     plan = _finish(evaluator, skeleton, bounds, family_label, name)
