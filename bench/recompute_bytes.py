@@ -13,13 +13,15 @@ These are sizes, not times: they do not depend on the machine's load.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from quiet import Environment, require_quiet, write_record
 
 from octopipe.capture import CaptureConfig, pipeline_spec
 from octopipe.examples.workloads import WORKLOADS, workload
@@ -46,6 +48,8 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=sorted(WORKLOADS))
     parser.add_argument("--out", type=Path, default=Path("bench/results/recompute_bytes.json"))
     args = parser.parse_args()
+    require_quiet()
+    env = Environment()
     rows = []
     print(f"{'workload':<14}{'policy':<12}{'stage 0 MiB':>12}{'stage 1 MiB':>12}{'of none':>9}  bitwise")
     for name in args.workloads:
@@ -67,9 +71,7 @@ def main() -> None:
             )
             mib = [b / 2**20 for b in kept]
             print(f"{name:<14}{label:<12}{mib[0]:>12.1f}{mib[1]:>12.1f}{fraction:>9.2f}  {bitwise}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"microbatch": [2, 128], "stages": 2, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_record(args.out, {"microbatch": [2, 128], "stages": 2, "rows": rows, "environment": env.finish()})
 
 
 if __name__ == "__main__":

@@ -13,8 +13,12 @@ machine's load does not move them.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from quiet import Environment, require_quiet, write_record
 
 from octopipe.capture import CaptureConfig
 from octopipe.execute.runtime import RunOptions, run_local_many, workload_reference
@@ -31,6 +35,8 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["llama-8", "nemotronh-16"])
     parser.add_argument("--out", type=Path, default=Path("bench/results/recompute_memory.json"))
     args = parser.parse_args()
+    require_quiet()
+    env = Environment()
     rows = []
     for name in args.workloads:
         reference = workload_reference(name, global_batch=16)
@@ -46,6 +52,7 @@ def main() -> None:
                 plans[(schedule, policy)] = with_recompute(base, {0: parsed, 1: parsed})
         runs = run_local_many(list(plans.values()), RunOptions(steps=2, measure_memory=True, timeout_s=600))
         for (schedule, policy), run in zip(plans, runs, strict=True):
+            env.record(run.cores)
             result = compare(plans[(schedule, policy)], profile, [run])
             predicted = [r.peak_memory_bytes for r in result.simulation.estimate.ranks]
             measured = list(result.allocator_memory_bytes)
@@ -59,12 +66,10 @@ def main() -> None:
                 for p, q, e in zip(predicted, measured, errors, strict=True)
             )
             print(f"{name:<14}{schedule:<7}{policy:<12} predicted/allocator MiB per rank: {shown}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     worst = max(abs(e) for row in rows for e in row["error"])
-    args.out.write_text(
-        json.dumps({"num_microbatches": M, "global_batch": 16, "max_abs_error": worst, "rows": rows}, indent=2) + "\n"
-    )
-    print(f"largest |error| {worst:.1%}; wrote {args.out}")
+    print(f"largest |error| {worst:.1%}")
+    record = {"num_microbatches": M, "global_batch": 16, "max_abs_error": worst, "rows": rows}
+    write_record(args.out, {**record, "environment": env.finish()})
 
 
 if __name__ == "__main__":

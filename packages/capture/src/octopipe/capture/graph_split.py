@@ -18,7 +18,7 @@ Their gradients must be summed across those stages before the optimizer step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,15 +113,6 @@ class GraphStage(StageModule):
                 parent.add_module(part, child)
             parent = child
         return parent
-
-    @contextlib.contextmanager
-    def layer_regions(self, region: Callable[[int], contextlib.AbstractContextManager[None]]) -> Iterator[None]:
-        """Inside, the forward runs each node of the stage's i-th layer within ``region(i)`` (glue code outside)."""
-        self._region = region
-        try:
-            yield
-        finally:
-            self._region = None
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:  # type: ignore[override]
         if len(inputs) != len(self.input_names):
