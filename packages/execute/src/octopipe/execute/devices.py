@@ -24,6 +24,7 @@ __all__ = [
     "backend_for",
     "backend_problem",
     "capacity",
+    "device_memory_budget",
     "gpu_problem",
     "is_gpu",
     "probe_gpus",
@@ -155,3 +156,23 @@ def probe_gpus(timeout_s: float = 10.0) -> list[Gpu]:
         by_index = {g.index: g for g in gpus}
         gpus = [Gpu(i, by_index[v].name, by_index[v].memory_bytes) for i, v in enumerate(order) if v in by_index]
     return gpus
+
+
+def device_memory_budget(device: str, ranks: int, reserve: float) -> tuple[int, str]:
+    """Bytes per rank a plan may use on this machine, and how they were found: on ``cuda``, the smallest
+    visible GPU's memory; on ``cpu``, the host's physical memory shared by ``ranks`` local ranks; either
+    less the ``reserve`` fraction (for the framework, the allocator's fragmentation, other processes)."""
+    if not 0.0 <= reserve < 1.0:
+        raise ValueError(f"the memory reserve is a fraction in [0, 1), e.g. 0.1, got {reserve}")
+    if device == "cuda":
+        gpus = probe_gpus()
+        if not gpus:
+            raise ValueError("no GPU is visible to read a memory budget from: give --memory-budget SIZE, e.g. 80GiB")
+        total, where = min(g.memory_bytes for g in gpus), f"GPU memory {min(g.memory_bytes for g in gpus)} bytes"
+    elif device == "cpu":
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, ranks)
+        where = f"host memory shared by {ranks} local ranks, {total} bytes each"
+    else:
+        raise ValueError(f"device {device!r}: a memory budget is read from cpu or cuda")
+    budget = int(total * (1.0 - reserve))
+    return budget, f"{where}, less a {reserve:.0%} reserve"

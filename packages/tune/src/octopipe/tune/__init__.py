@@ -19,7 +19,7 @@ from octopipe.tune.listsched import ListSchedulerConfig, list_schedule
 from octopipe.tune.mesh_search import MeshCandidate, MeshTuneConfig, MeshTuneResult, scale_microbatches, tune_mesh
 from octopipe.tune.optimizer import PhaseReport, TuneConfig, TuneResult, tune
 from octopipe.tune.partition import equal_partition
-from octopipe.tune.problem import FAMILIES, balanced_bounds, equal_bounds, placement_for
+from octopipe.tune.problem import FAMILIES, balanced_bounds, equal_bounds, placement_for, recompute_options
 from octopipe.tune.registry import DEFAULT_SCHEDULES, Placement, ScheduleEntry, ScheduleGenerator, ScheduleRegistry
 from octopipe.tune.retune import Retune, calibrated_costs, measured_gain, replan, retune
 from octopipe.tune.schedules import (
@@ -72,6 +72,7 @@ __all__ = [
     "one_f_one_b",
     "place_collectives",
     "placement_for",
+    "recompute_options",
     "replan",
     "retune",
     "scale_microbatches",

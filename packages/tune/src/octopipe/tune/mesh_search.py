@@ -217,7 +217,9 @@ class _MeshEvaluator(Evaluator):
         if tp * cp > 1:
             self.layers = replace(self.layers, tp=tp, cp=cp, sequence_parallel=self.sequence_parallel)
 
-    def cost_model(self, bounds: Sequence[int]) -> CostModel:
+    def cost_model(self, bounds: Sequence[int], recompute: Sequence[str] = ()) -> CostModel:
+        if any(label != "none" for label in recompute):  # the runtime refuses recomputation with a mesh
+            raise ValueError("recomputation is not searched with a mesh (dp, tp, cp or ep > 1)")
         return replace(super().cost_model(bounds), collectives=self.collectives)
 
     def mesh_plan(self, candidate: Candidate, policy: CollectivePlacement) -> plan_pb2.Plan | None:

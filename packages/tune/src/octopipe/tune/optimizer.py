@@ -12,7 +12,13 @@ and descends again:
 * **partition**: with that order fixed, move one boundary layer between
   neighbouring stages at a time, the bottleneck rank's boundaries first, then
   every boundary (this also swaps layers between the warm-up and cool-down
-  stages), taking the best move while it shortens the simulated step.
+  stages), taking the best move while it shortens the simulated step;
+* **recomputation** (when the profile measured recomputation policies, or
+  ``TuneConfig.recompute`` names some): with order and partition fixed, move
+  one stage's policy one step (more recomputation on a rank over its cap, less
+  on one within it) while the score improves. Each family starts from every
+  stage under each policy, so a tighter cap buys the schedule that needs more
+  memory with recomputation where it costs least.
 
 Memory caps are hard: candidates are ranked first by bytes over the caps, so
 a search that starts over them walks back under, and only a plan within every
@@ -27,11 +33,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from octopipe.ir import validate_plan
+from octopipe.ir import Recompute, validate_plan, with_recompute
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import Estimate, Link, OverlapModel, SimulationConfig, simulate
-from octopipe.tune.problem import FAMILIES, Candidate, Evaluator, Layers, Score, equal_bounds
+from octopipe.tune.problem import (
+    FAMILIES,
+    Candidate,
+    Evaluator,
+    Layers,
+    Score,
+    describe_recompute,
+    equal_bounds,
+    recompute_options,
+)
 from octopipe.tune.registry import DEFAULT_SCHEDULES, Placement, ScheduleRegistry
 from octopipe.tune.search import PhaseReport, Progress, ScheduleChoice, Search
 
@@ -45,8 +60,13 @@ _REFINED = 2  # nor those after the two best
 class TuneConfig:
     """What to tune for and how long.
 
-    ``memory_cap_bytes``: one cap for every rank, a cap per rank, or None for
-    the peak of 1F1B on equal layer counts (the most any rank needs there).
+    ``memory_cap_bytes``: the device memory budget: one cap for every rank, a
+    cap per rank, or None for the peak of 1F1B on equal layer counts (the most
+    any rank needs there).
+    ``recompute``: the recomputation policies a stage may take (labels
+    ``none``, ``layers``, ``budget:F``; each must be in the profile, see
+    ``octopipe profile --recompute``). None: every policy the profile measured
+    for every layer (none when it measured none); ``("none",)`` searches none.
     ``registry``: the schedules to search (``octopipe.tune.DEFAULT_SCHEDULES``;
     ``DEFAULT_SCHEDULES.with_entry(...)`` adds one).
     ``families``: placement families of ``registry`` to search (default
@@ -88,6 +108,7 @@ class TuneConfig:
     min_gain: float = 0.0
     default_link: Link | None = None
     registry: ScheduleRegistry = DEFAULT_SCHEDULES
+    recompute: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -151,6 +172,7 @@ def tune(
         raise ValueError(f"{p} ranks need at least {p} layers; the profile has {len(layers)}: use fewer ranks")
     baseline_candidate = Candidate(bounds=equal_bounds(len(layers), p), family=Placement.linear(), schedule="1f1b")
     caps = _caps(profile, config, baseline_candidate)
+    options = recompute_options(profile, config.recompute)
     overlap = OverlapModel(hidden_fraction=config.overlap_hidden_fraction)
     evaluator = Evaluator(
         profile,
@@ -169,6 +191,7 @@ def tune(
         max_evaluations=config.max_evaluations,
         time_budget_s=config.time_budget_s,
         progress=progress,
+        recompute=options,
     )
     baseline_plan = evaluator.plan(baseline_candidate, name="1f1b-equal")
     assert baseline_plan is not None
@@ -195,7 +218,7 @@ def tune(
         else:
             schedule, bounds = search.refine(family, schedule, bounds)
         by_family[family.label] = schedule.score.step_time_us if schedule.score.fits else float("inf")
-        finalist = _Finalist(schedule.score, schedule.skeleton, bounds, schedule.name, family.label)
+        finalist = _Finalist(schedule.score, schedule.skeleton, bounds, schedule.name, family.label, schedule.recompute)
         finalists.append(finalist)
         if finalist.score < best.score:
             best = finalist
@@ -203,24 +226,17 @@ def tune(
     finalists.sort(key=lambda item: 0 if item is simplest else 1 + config.families.index(item.family))
     fastest = best
     best, choice = _simplest_within(finalists, fastest, config.min_gain)
-    score, skeleton, bounds, name, family_label = best
+    score, skeleton, bounds, name, family_label, recompute = best
     if not score.fits:
-        peaks = [r.peak_memory_bytes for r in score.estimate.ranks] if score.estimate is not None else []
-        closest = f"{name} ({family_label}), whose peak per rank is {peaks} bytes" if peaks else name
-        raise ValueError(
-            f"no plan fits the memory caps {dict(caps)}: the closest the search reached is {closest}, "
-            f"{score.excess_bytes} bytes over in all (a cap of {max(peaks, default=0)} bytes per rank fits that "
-            "plan); "
-            "raise the caps, use fewer micro-batches in flight (more ranks) or a smaller micro-batch"
-        )
-    plan = _finish(evaluator, skeleton, bounds, family_label, name)
-    estimate = simulate(plan, evaluator.cost_model(bounds)).estimate  # verifies, enforces caps
+        raise ValueError(_refusal(caps, finalists, options))
+    plan = _finish(evaluator, skeleton, bounds, family_label, name, recompute)
+    estimate = simulate(plan, evaluator.cost_model(bounds, recompute)).estimate  # verifies, enforces caps
     sizes = [bounds[s + 1] - bounds[s] for s in range(len(bounds) - 1)]
     return TuneResult(
         plan=plan,
         estimate=estimate,
         baseline=baseline,
-        description=f"{name} on {family_label} placement, layers per stage {sizes}",
+        description=f"{name} on {family_label} placement, layers per stage {sizes}{describe_recompute(recompute)}",
         memory_caps=caps,
         phases=tuple(search.phases),
         best_by_family=by_family,
@@ -233,13 +249,33 @@ def tune(
 
 
 class _Finalist(NamedTuple):
-    """A family's best (or the 1F1B baseline): its score, order, stage bounds, schedule label and family."""
+    """A family's best (or the 1F1B baseline): its score, order, stage bounds, schedule label, family and
+    per-stage recomputation policies (empty: none)."""
 
     score: Score
     skeleton: plan_pb2.Plan
     bounds: tuple[int, ...]
     name: str
     family: str
+    recompute: tuple[str, ...] = ()
+
+
+def _refusal(caps: Mapping[int, int], finalists: Sequence[_Finalist], options: Sequence[str]) -> str:
+    """Why no plan fits: the smallest peak per rank the search reached (over every family, with every
+    recomputation option searched) and the plan that reaches it."""
+    reached = [(f, [r.peak_memory_bytes for r in f.score.estimate.ranks]) for f in finalists if f.score.estimate]
+    if not reached:
+        return f"no plan fits the memory caps {dict(caps)}: no schedule applies; raise the caps"
+    smallest, peaks = min(reached, key=lambda item: (max(item[1]), item[0].score))
+    searched = ", ".join(options) if len(options) > 1 else "none (the profile measured no recomputation policy)"
+    return (
+        f"no plan fits the memory caps {dict(caps)}: the smallest peak the search reached is {max(peaks)} bytes "
+        f"on one rank (a cap of {max(peaks)} bytes per rank fits it), by {smallest.name} on "
+        f"{smallest.family} placement{describe_recompute(smallest.recompute)}, whose peak per rank is {peaks} "
+        f"bytes, {smallest.score.excess_bytes} bytes over the caps in all; recomputation searched: {searched}. "
+        "Raise the caps, profile a recomputation policy (octopipe profile --recompute layers), use more ranks "
+        "or a smaller micro-batch"
+    )
 
 
 def _simplest_within(finalists: Sequence[_Finalist], fastest: _Finalist, min_gain: float) -> tuple[_Finalist, str]:
@@ -297,10 +333,17 @@ def _caps(profile: profile_pb2.Profile, config: TuneConfig, baseline: Candidate)
 
 
 def _finish(
-    evaluator: Evaluator, skeleton: plan_pb2.Plan, bounds: Sequence[int], family: str, name: str
+    evaluator: Evaluator,
+    skeleton: plan_pb2.Plan,
+    bounds: Sequence[int],
+    family: str,
+    name: str,
+    recompute: Sequence[str] = (),
 ) -> plan_pb2.Plan:
     plan = plan_pb2.Plan()
     plan.CopyFrom(skeleton)
+    if any(label != "none" for label in recompute):
+        plan = with_recompute(plan, {s: Recompute.parse(label) for s, label in enumerate(recompute)})
     plan.name = f"tuned-{name.split('(')[0]}-{family}-p{evaluator.num_ranks}-m{evaluator.m}"
     for s, stage in enumerate(plan.stages):
         del stage.layer_names[:]

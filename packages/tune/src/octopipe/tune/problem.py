@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from octopipe.ir import Action, add_p2p_actions, rank_actions, validate_plan
+from octopipe.ir import Action, Recompute, add_p2p_actions, rank_actions, validate_plan, with_recompute
 from octopipe.plan.v1 import plan_pb2
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import (
@@ -27,6 +27,7 @@ from octopipe.simulate import (
     RuntimeCosts,
     SimulationConfig,
     StageCost,
+    recomputed_cost,
     simulate,
     split_layer,
     stage_cost_from_layers,
@@ -44,6 +45,7 @@ __all__ = [
     "balanced_bounds",
     "equal_bounds",
     "placement_for",
+    "recompute_options",
 ]
 
 #: The default registry's placement families, simplest first: linear, interleaved-2, interleaved-4, v.
@@ -60,17 +62,21 @@ class Candidate:
     """One point of the search: stage s is layers[bounds[s]:bounds[s+1]] on rank placement[s].
 
     ``family`` is the placement; ``schedule`` a registry entry's name or
-    ``"list"`` (then ``policy`` configures the list scheduler).
+    ``"list"`` (then ``policy`` configures the list scheduler). ``recompute``:
+    each stage's recomputation policy label (``none``, ``layers``,
+    ``budget:F``); empty for none on every stage.
     """
 
     bounds: tuple[int, ...]
     family: Placement
     schedule: str
     policy: ListSchedulerConfig | None = None
+    recompute: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         assert self.num_stages % self.family.stages_per_rank == 0, (self.bounds, self.family)
         assert (self.schedule == "list") == (self.policy is not None), (self.schedule, self.policy)
+        assert not self.recompute or len(self.recompute) == self.num_stages, (self.bounds, self.recompute)
 
     @property
     def num_stages(self) -> int:
@@ -92,7 +98,35 @@ class Candidate:
 
     def describe(self) -> str:
         sizes = [self.bounds[s + 1] - self.bounds[s] for s in range(self.num_stages)]
-        return f"{self.label} on {self.family.label} placement, layers per stage {sizes}"
+        return f"{self.label} on {self.family.label} placement, layers per stage {sizes}{describe_recompute(self.recompute)}"
+
+
+def describe_recompute(recompute: Sequence[str]) -> str:
+    """``""`` when no stage recomputes, else ``", recompute per stage [...]"``."""
+    if all(label == "none" for label in recompute):
+        return ""
+    return f", recompute per stage [{', '.join(recompute)}]"
+
+
+def recompute_options(profile: profile_pb2.Profile, wanted: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The recomputation policies a search may give a stage, most saved bytes first (``none`` first).
+
+    ``wanted`` None: ``none`` and every policy the profile measured for every layer. Otherwise each
+    wanted label is checked (refused, naming what the profile has, when some layer lacks it)."""
+    if wanted is None:
+        common = set.intersection(*({v.recompute for v in layer.recomputed} for layer in profile.layers))
+        labels = ["none", *sorted(common)]
+    else:
+        labels = list(dict.fromkeys(Recompute.parse(label).label for label in wanted))
+        if "none" not in labels:
+            labels.insert(0, "none")
+        for layer in profile.layers:
+            for label in labels:
+                recomputed_cost(layer, label)  # raises, naming the policies profiled
+    saved = {
+        label: sum(recomputed_cost(layer, label).activation_saved_bytes for layer in profile.layers) for label in labels
+    }
+    return tuple(sorted(labels, key=lambda label: (label != "none", -saved[label], label)))
 
 
 @dataclass(frozen=True)
@@ -131,11 +165,11 @@ class Layers:
         c = self.shares[index]
         return c.forward_duration_us + c.backward_input_duration_us + c.backward_weight_duration_us
 
-    def stage_cost(self, start: int, end: int) -> StageCost:
-        """Layers ``start:end`` as one stage: simulate's own sum, so the tuner and the verifier agree."""
-        return stage_cost_from_layers(
-            self.costs[start:end], tp=self.tp, cp=self.cp, sequence_parallel=self.sequence_parallel
-        )
+    def stage_cost(self, start: int, end: int, recompute: str = "none") -> StageCost:
+        """Layers ``start:end`` as one stage with recomputation policy ``recompute``: simulate's own sum,
+        so the tuner and the verifier agree."""
+        costs = [recomputed_cost(cost, recompute) for cost in self.costs[start:end]]
+        return stage_cost_from_layers(costs, tp=self.tp, cp=self.cp, sequence_parallel=self.sequence_parallel)
 
 
 @dataclass(frozen=True, order=True)
@@ -186,8 +220,10 @@ class Evaluator:
         self.evaluations = 0
         self._library: dict[str, dict[int, list[Action]] | None] = {}
 
-    def cost_model(self, bounds: Sequence[int]) -> CostModel:
-        stages = tuple(self.layers.stage_cost(bounds[s], bounds[s + 1]) for s in range(len(bounds) - 1))
+    def cost_model(self, bounds: Sequence[int], recompute: Sequence[str] = ()) -> CostModel:
+        """Stage costs for ``bounds``, stage s under policy ``recompute[s]`` (empty: none everywhere)."""
+        policies = recompute or ("none",) * (len(bounds) - 1)
+        stages = tuple(self.layers.stage_cost(bounds[s], bounds[s + 1], policies[s]) for s in range(len(bounds) - 1))
         names = [self.layers.names[bounds[s] : bounds[s + 1]] for s in range(len(bounds) - 1)]
         return CostModel(
             stages=stages,
@@ -225,7 +261,7 @@ class Evaluator:
 
     def plan(self, candidate: Candidate, *, name: str = "tuned", validate: bool = False) -> plan_pb2.Plan | None:
         """The candidate's Plan (p2p lowered, caps set), or None where its schedule does not apply."""
-        model = self.cost_model(candidate.bounds)
+        model = self.cost_model(candidate.bounds, candidate.recompute)
         compute = self.compute(candidate, model)
         if compute is None:
             return None
@@ -262,13 +298,15 @@ class Evaluator:
         plan.labels["schedule"] = candidate.schedule
         plan.labels["placement"] = candidate.family.label
         plan.labels["tuned_by"] = "octopipe.tune"
+        if any(label != "none" for label in candidate.recompute):
+            plan = with_recompute(plan, {s: Recompute.parse(label) for s, label in enumerate(candidate.recompute)})
         if validate:
             validate_plan(plan)
         return plan
 
     def score(self, candidate: Candidate) -> Score:
         """Simulate the candidate (no critical path); infeasible if its schedule does not apply."""
-        model = self.cost_model(candidate.bounds)
+        model = self.cost_model(candidate.bounds, candidate.recompute)
         compute = self.compute(candidate, model)
         if compute is None:
             return Score.infeasible()

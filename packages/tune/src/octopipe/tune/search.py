@@ -5,7 +5,9 @@ and what each phase gained (:class:`PhaseReport`). The schedule phase tries,
 for fixed stage bounds, every registry schedule of the family and the list
 scheduler under several policies; the partition phase (:meth:`Search.descend`)
 moves one boundary layer at a time with an action order fixed, which
-``tune_mesh`` also uses to refine its winner.
+``tune_mesh`` also uses to refine its winner; the recomputation phase
+(:meth:`Search.recompute`) moves one stage's policy one step along the
+options (most saved bytes first) at a time, the same way.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ class PhaseReport:
 class ScheduleChoice:
     """A fixed action order (the plan skeleton) and its score on some partition.
 
-    ``schedule`` is the registry entry's name or ``"list"``; ``name`` how reports call it (``Candidate.label``).
+    ``schedule`` is the registry entry's name or ``"list"``; ``name`` how reports call it (``Candidate.label``);
+    ``recompute`` the per-stage recomputation policies it was scored with (empty: none).
     """
 
     name: str
@@ -66,6 +69,7 @@ class ScheduleChoice:
     skeleton: plan_pb2.Plan
     score: Score
     policy: ListSchedulerConfig | None
+    recompute: tuple[str, ...] = ()
 
 
 class Search:
@@ -73,6 +77,8 @@ class Search:
 
     ``list_scheduler``: also try the list scheduler in the schedule phase.
     ``kicks``: random (``seed``) restarts of the partition per refined family.
+    ``recompute``: the policies a stage may take, most saved bytes first
+    (``octopipe.tune.recompute_options``); ``("none",)`` searches none.
     It stops after ``max_evaluations`` simulations or ``time_budget_s`` seconds
     (``stopped`` says which).
     """
@@ -87,8 +93,10 @@ class Search:
         max_evaluations: int = 3000,
         time_budget_s: float = 30.0,
         progress: Progress | None = None,
+        recompute: tuple[str, ...] = ("none",),
     ) -> None:
         self.ev, self.progress = evaluator, progress
+        self.options = recompute
         self.list_scheduler, self.kicks = list_scheduler, kicks
         self.max_evaluations, self.time_budget_s = max_evaluations, time_budget_s
         self.start = time.perf_counter()
@@ -114,9 +122,9 @@ class Search:
         if self.progress is not None:
             self.progress(message, self.ev.evaluations, best.step_time_us)
 
-    def score(self, skeleton: plan_pb2.Plan, bounds: Sequence[int]) -> Score:
-        """The fixed order ``skeleton`` on stage ``bounds``."""
-        return self.ev.score_plan(skeleton, self.ev.cost_model(bounds))
+    def score(self, skeleton: plan_pb2.Plan, bounds: Sequence[int], recompute: Sequence[str] = ()) -> Score:
+        """The fixed order ``skeleton`` on stage ``bounds``, stage s under policy ``recompute[s]``."""
+        return self.ev.score_plan(skeleton, self.ev.cost_model(bounds, recompute))
 
     # -- phase c: the schedule for fixed bounds -----------------------------------------------------------------
     def policies(self, family: Placement) -> list[ListSchedulerConfig]:
@@ -129,9 +137,14 @@ class Search:
         return policies
 
     def schedules(
-        self, family: Placement, bounds: tuple[int, ...], policies: Sequence[ListSchedulerConfig]
+        self,
+        family: Placement,
+        bounds: tuple[int, ...],
+        policies: Sequence[ListSchedulerConfig],
+        recompute: tuple[str, ...] = (),
     ) -> ScheduleChoice | None:
-        """The best of the family's registry schedules and the list scheduler under ``policies``."""
+        """The best of the family's registry schedules and the list scheduler under ``policies``
+        (stages under ``recompute``)."""
         best: ScheduleChoice | None = None
         entries = self.ev.registry.in_family(family.label)
         options: list[tuple[str, ListSchedulerConfig | None]] = [(entry.name, None) for entry in entries]
@@ -139,7 +152,7 @@ class Search:
         for name, policy in options:
             if self.out_of_budget():
                 break
-            candidate = Candidate(bounds=bounds, family=family, schedule=name, policy=policy)
+            candidate = Candidate(bounds=bounds, family=family, schedule=name, policy=policy, recompute=recompute)
             found = self.build(candidate)
             if found is not None and (best is None or found.score < best.score):
                 best = found
@@ -147,7 +160,7 @@ class Search:
 
     def build(self, candidate: Candidate) -> ScheduleChoice | None:
         """The candidate's order and score (a list schedule over a cap retried once with margins)."""
-        model = self.ev.cost_model(candidate.bounds)
+        model = self.ev.cost_model(candidate.bounds, candidate.recompute)
         key = candidate.schedule
         if candidate.policy is None and key in self.library:
             skeleton = self.library[key]
@@ -174,21 +187,70 @@ class Search:
                 if retry_score < score:
                     skeleton, score, policy = retried, retry_score, retry.policy
         return ScheduleChoice(
-            name=candidate.label, schedule=candidate.schedule, skeleton=skeleton, score=score, policy=policy
+            name=candidate.label,
+            schedule=candidate.schedule,
+            skeleton=skeleton,
+            score=score,
+            policy=policy,
+            recompute=candidate.recompute,
         )
 
     # -- phase a: the partition for a fixed order --------------------------------------------------------------
-    def descend(self, skeleton: plan_pb2.Plan, bounds: tuple[int, ...], score: Score) -> tuple[tuple[int, ...], Score]:
+    def descend(
+        self, skeleton: plan_pb2.Plan, bounds: tuple[int, ...], score: Score, recompute: tuple[str, ...] = ()
+    ) -> tuple[tuple[int, ...], Score]:
         """Partition phase: with ``skeleton``'s order fixed (on ``self.placement``), take the first better
         one-layer boundary move, the bottleneck rank's first, until none gains or the budget is spent."""
         while not self.out_of_budget():
-            found = self.first_better(skeleton, self.moves(bounds, score, bottleneck=True), score)
+            found = self.first_better(skeleton, self.moves(bounds, score, bottleneck=True), score, recompute)
             if found is None:
-                found = self.first_better(skeleton, self.moves(bounds, score, bottleneck=False), score)
+                found = self.first_better(skeleton, self.moves(bounds, score, bottleneck=False), score, recompute)
             if found is None:
                 break
             bounds, score = found
         return bounds, score
+
+    # -- phase b: each stage's recomputation policy for a fixed order and partition ----------------------------
+    def recompute(
+        self, skeleton: plan_pb2.Plan, bounds: tuple[int, ...], score: Score, recompute: tuple[str, ...]
+    ) -> tuple[tuple[str, ...], Score]:
+        """With order and partition fixed, take the first better move of one stage's policy one step along
+        ``self.options`` (over a cap: more recomputation on the ranks over it first; within every cap: less,
+        on the busiest rank first), until none gains or the budget is spent."""
+        if len(self.options) < 2:
+            return recompute, score
+        while not self.out_of_budget():
+            found = None
+            for moved in self.policy_moves(recompute, score):
+                if self.out_of_budget():
+                    break
+                tried = self.score(skeleton, bounds, moved)
+                if tried < score:
+                    found = moved, tried
+                    break
+            if found is None:
+                break
+            recompute, score = found
+        return recompute, score
+
+    def policy_moves(self, recompute: tuple[str, ...], score: Score) -> list[tuple[str, ...]]:
+        """One-step policy moves of one stage that can gain: over a cap, one more step of recomputation on a
+        stage of a rank over it; within every cap, one less on any stage; the busiest rank's first."""
+        current = recompute or ("none",) * len(self.placement)
+        ranks = score.estimate.ranks if score.estimate is not None else ()
+        over = {r.rank for r in ranks if r.memory_cap_bytes is not None and r.peak_memory_bytes > r.memory_cap_bytes}
+        busy = {r.rank: r.busy_us for r in ranks}
+        step = 1 if over else -1
+        moves: list[tuple[float, tuple[str, ...]]] = []
+        for s, label in enumerate(current):
+            at = self.options.index(label) + step
+            if not 0 <= at < len(self.options) or (over and self.placement[s] not in over):
+                continue
+            moved = list(current)
+            moved[s] = self.options[at]
+            moves.append((-busy.get(self.placement[s], 0.0), tuple(moved)))
+        moves.sort(key=lambda item: item[0])
+        return [tuple(moved) if any(x != "none" for x in moved) else () for _, moved in moves]
 
     def moves(self, bounds: tuple[int, ...], score: Score, *, bottleneck: bool) -> list[tuple[int, ...]]:
         """One-layer boundary moves, the most promising (by rank-load balance) first, at most ``_MOVES``."""
@@ -218,12 +280,12 @@ class Search:
         return max(loads), sum(abs(load - mean) for load in loads)
 
     def first_better(
-        self, skeleton: plan_pb2.Plan, moves: list[tuple[int, ...]], score: Score
+        self, skeleton: plan_pb2.Plan, moves: list[tuple[int, ...]], score: Score, recompute: tuple[str, ...] = ()
     ) -> tuple[tuple[int, ...], Score] | None:
         for bounds in moves:
             if self.out_of_budget():
                 break
-            found = self.score(skeleton, bounds)
+            found = self.score(skeleton, bounds, recompute)
             if found < score:
                 return bounds, found
         return None
@@ -239,7 +301,8 @@ class Search:
 
     # -- one family --------------------------------------------------------------------------------------------
     def initial(self, family: Placement, baseline: Score) -> tuple[ScheduleChoice, tuple[int, ...]] | None:
-        """Phase c on the balanced and the equal partition: the family's starting point."""
+        """Phase c on the balanced and the equal partition, every stage under each recomputation option
+        (the equal partition with none only): the family's starting point."""
         p, n = self.ev.num_ranks, len(self.ev.layers)
         self.placement = family.stage_ranks(p)
         num_stages = len(self.placement)
@@ -248,8 +311,11 @@ class Search:
         weights = [self.ev.layers.time_us(i) for i in range(n)]
         found: tuple[ScheduleChoice, tuple[int, ...]] | None = None
         balanced = balanced_bounds(weights, num_stages)
-        for bounds in dict.fromkeys([balanced, equal_bounds(n, num_stages)]):
-            chosen = self.schedules(family, bounds, self.policies(family) if bounds == balanced else ())
+        starts = [(balanced, (option,) * num_stages if option != "none" else ()) for option in self.options]
+        if equal_bounds(n, num_stages) != balanced:
+            starts.insert(1, (equal_bounds(n, num_stages), ()))
+        for bounds, recompute in starts:
+            chosen = self.schedules(family, bounds, self.policies(family) if bounds == balanced else (), recompute)
             if chosen is not None and (found is None or chosen.score < found[0].score):
                 found = (chosen, bounds)
         if found is not None:
@@ -267,15 +333,20 @@ class Search:
             here, here_bounds = best, bounds
             if attempt:
                 here_bounds = self.kick(bounds)
-                here = replace(here, score=self.score(here.skeleton, here_bounds))
-            while not self.out_of_budget():  # alternate partition and schedule until neither gains
+                here = replace(here, score=self.score(here.skeleton, here_bounds, here.recompute))
+            while not self.out_of_budget():  # alternate partition, recomputation and schedule until none gains
                 before = here.score
-                here_bounds, moved = self.descend(here.skeleton, here_bounds, here.score)
+                here_bounds, moved = self.descend(here.skeleton, here_bounds, here.score, here.recompute)
                 here = replace(here, score=moved)
                 if not attempt:
                     self.record(family.label, "partition", before, moved)
+                recompute, recomputed = self.recompute(here.skeleton, here_bounds, here.score, here.recompute)
+                if recomputed < here.score:
+                    if not attempt:
+                        self.record(family.label, "recompute", here.score, recomputed, ", ".join(recompute))
+                    here = replace(here, score=recomputed, recompute=recompute)
                 policies = [here.policy] if here.policy is not None else []
-                chosen = self.schedules(family, here_bounds, policies)
+                chosen = self.schedules(family, here_bounds, policies, here.recompute)
                 if chosen is None or not chosen.score < here.score:
                     break
                 if not attempt:

@@ -22,6 +22,7 @@ from rich.table import Table
 
 from octopipe.execute.cli.jsonout import estimate_json
 from octopipe.execute.cli.profile import load_profile
+from octopipe.execute.devices import device_memory_budget
 from octopipe.ir import plan_to_text, save_plan
 from octopipe.profile.v1 import profile_pb2
 from octopipe.simulate import Estimate, GroupLinks, Link, local_link
@@ -63,9 +64,26 @@ def register(sub: Any, registry: ScheduleRegistry) -> None:
     parser.add_argument("--ranks", type=int, help="pipeline ranks (one pipeline; or give --devices)")
     parser.add_argument("--microbatches", type=int, help="micro-batches per step (with --ranks)")
     parser.add_argument(
+        "--memory-budget",
         "--memory-cap",
-        type=parse_bytes,
-        help="per rank or device, e.g. 80GB or 80GiB (default with --ranks: the peak of 1F1B on equal layer counts)",
+        dest="memory_cap",
+        type=_budget,
+        help="bytes per rank or device: a size (80GB, 80GiB), `device` (the profile's device: a GPU's memory, or "
+        "the host's shared by the ranks, less --memory-reserve) or `1f1b` (the peak of 1F1B on equal layer "
+        "counts); default with --ranks: device",
+    )
+    parser.add_argument(
+        "--memory-reserve",
+        type=float,
+        default=0.1,
+        help="with --memory-budget device: the fraction kept back (default 0.1)",
+    )
+    parser.add_argument(
+        "--recompute",
+        nargs="+",
+        metavar="POLICY",
+        help="recomputation policies to search per stage (none, layers, budget:F; each profiled, see "
+        "`octopipe profile --recompute`); default: every policy the profile has; `none` alone: none",
     )
     mesh = parser.add_argument_group("mesh mode (choose pp x dp x micro-batches for a number of devices)")
     mesh.add_argument("--devices", type=int, help="accelerators in all (pp x dp)")
@@ -122,10 +140,13 @@ def run(args: argparse.Namespace) -> int:
             "give --ranks and --microbatches (one pipeline), or --devices, --global-batch and --memory-cap"
         )
     profile = load_profile(args.profile)
+    requested = "device" if args.memory_cap is None else args.memory_cap
+    budget, args.memory_budget_source = _resolve_budget(requested, profile, args)
     config = TuneConfig(
         num_ranks=args.ranks,
         num_microbatches=args.microbatches,
-        memory_cap_bytes=args.memory_cap,
+        memory_cap_bytes=budget,
+        recompute=tuple(args.recompute) if args.recompute else None,
         families=tuple(f.strip() for f in args.families.split(",") if f.strip()),
         time_budget_s=args.time_budget,
         max_evaluations=args.max_evaluations,
@@ -141,9 +162,11 @@ def run(args: argparse.Namespace) -> int:
     text_path = args.out.with_suffix(".txt")
     text_path.write_text(plan_to_text(result.plan))
     if args.json:
-        sys.stdout.write(json.dumps(_as_json(result, args.out, text_path), indent=2) + "\n")
+        report = _as_json(result, args.out, text_path) | {"memory_budget": args.memory_budget_source}
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
     else:
         _print_tables(result, args.out, text_path)
+        Console().print(f"memory budget: {args.memory_budget_source}")
     return 0
 
 
@@ -152,6 +175,10 @@ def _run_mesh(args: argparse.Namespace) -> int:
         raise ValueError("--devices chooses the pipeline ranks and micro-batches: drop --ranks and --microbatches")
     if args.global_batch is None or args.memory_cap is None:
         raise ValueError("--devices needs --global-batch (samples per step) and --memory-cap (per device, e.g. 80GB)")
+    if not isinstance(args.memory_cap, int):
+        raise ValueError("--devices needs --memory-cap as a size per device, e.g. 80GB")
+    if args.recompute:
+        raise ValueError("--recompute is searched for one pipeline (--ranks); the mesh search runs none")
     tp_degrees, cp_degrees = _degrees("--tp", args.tp), _degrees("--cp", args.cp)  # checked before any work
     profile = load_profile(args.profile)
     links = None
@@ -192,6 +219,24 @@ def _run_mesh(args: argparse.Namespace) -> int:
     else:
         _print_mesh(result, args.out, text_path)
     return 0
+
+
+def _budget(text: str) -> int | str:
+    """``--memory-budget``: a size in bytes, or ``device`` / ``1f1b`` (resolved once the profile is read)."""
+    return text if text in ("device", "1f1b") else parse_bytes(text)
+
+
+def _resolve_budget(
+    budget: int | str, profile: profile_pb2.Profile, args: argparse.Namespace
+) -> tuple[int | None, str]:
+    """The cap per rank the tuner plans under (None: 1F1B's peak) and where it came from."""
+    if isinstance(budget, int):
+        return budget, f"{budget} bytes per rank (--memory-budget)"
+    if budget == "1f1b":
+        return None, "the peak of 1F1B on equal layer counts (--memory-budget 1f1b)"
+    device = "cuda" if profile.device.lower().startswith("cuda") else "cpu"  # the profiler writes cpu or cuda
+    cap, where = device_memory_budget(device, args.ranks, args.memory_reserve)
+    return cap, f"{cap} bytes per rank: {where} (--memory-budget device)"
 
 
 def _degrees(flag: str, text: str | None) -> tuple[int, ...] | None:
