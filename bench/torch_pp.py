@@ -14,11 +14,17 @@ step, the optimizer outside the timed region.
 as torchtitan runs torch's schedules; torch's zero-bubble schedules cannot run
 such blocks (their split backward fails at the first input-gradient action),
 which the caller records.
+
+``checkpoint``: torch's own activation checkpointing on every decoder layer
+(``torch.utils.checkpoint``, non-reentrant, as torchtitan's full AC wraps each
+block): the embedding and the head save their activations.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import functools
 import json
 import tempfile
 import time
@@ -29,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.pipelining import PipelineStage, schedules
+from torch.utils.checkpoint import checkpoint
 
 from octopipe.capture import StageModule, pipeline_spec
 from octopipe.execute.processes import free_port
@@ -58,6 +65,12 @@ def _worker(rank: int, port: int, name: str, reference: bytes, m: int, steps: in
     placement = torch_placement(name, 2)
     parts = equal_partition(spec.names, len(placement))
     by_name = {layer.name: layer for layer in spec.layers}
+    if options.get("checkpoint"):
+        by_name = {
+            n: dataclasses.replace(layer, run=functools.partial(_checkpointed, layer.run)) if n.startswith("layers.")
+            else layer
+            for n, layer in by_name.items()
+        }  # fmt: skip
     mine = sorted(s for s, r in placement.items() if r == rank)
     if options["compile_blocks"]:  # each layer's modules compiled in place, as torchtitan compiles blocks
         for path in sorted({path for s in mine for layer in parts[s] for path in by_name[layer].modules}):
@@ -90,6 +103,11 @@ def _worker(rank: int, port: int, name: str, reference: bytes, m: int, steps: in
     dist.destroy_process_group()
 
 
+def _checkpointed(run: Any, root: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = checkpoint(run, root, x, use_reentrant=False)
+    return out
+
+
 def run_torch(
     name: str,
     reference: plan_pb2.ModelReference,
@@ -98,10 +116,16 @@ def run_torch(
     *,
     compile_blocks: bool = False,
     host_memory: str = "reuse",
+    checkpoint_layers: bool = False,
 ) -> tuple[list[float], dict[int, list[int]]]:
     """torch's ``name`` schedule for ``steps`` steps: each step's time (us, slowest rank), and each rank's cores."""
     with tempfile.TemporaryDirectory() as folder:
-        options = {"compile_blocks": compile_blocks, "host_memory": host_memory, "out": folder}
+        options = {
+            "compile_blocks": compile_blocks,
+            "host_memory": host_memory,
+            "out": folder,
+            "checkpoint": checkpoint_layers,
+        }
         mp.start_processes(
             _worker,
             args=(free_port(), name, reference.SerializeToString(), m, steps, options),

@@ -100,6 +100,8 @@ def test_a_stage_whose_input_needs_no_gradient_has_nothing_for_i_to_do() -> None
             activation_freed_by_backward_input_bytes=60,
             backward_input_kept_bytes=30,
             backward_input_scratch_bytes=7,
+            backward_weight_scratch_bytes=5,
+            full_backward_scratch_bytes=40,
             input_without_gradient=i == 0,
         )
         for i in range(4)
@@ -114,6 +116,10 @@ def test_a_stage_whose_input_needs_no_gradient_has_nothing_for_i_to_do() -> None
     )
     assert (second.backward_input_us, second.backward_weight_us) == (4.0, 6.0)
     assert (second.freed_by_backward_input_bytes, second.kept_for_weight_bytes) == (120, 60)
+    # the first stage's W is its whole backward, so its scratch is the full backward's (the allocator agrees:
+    # bench/recompute_memory.py, ZB-H1 rank 0); the others' W keeps its own
+    assert (first.backward_weight_scratch_bytes, first.full_backward_scratch_bytes) == (40, 40)
+    assert (second.backward_weight_scratch_bytes, second.full_backward_scratch_bytes) == (5, 40)
 
 
 def test_a_layer_scratch_rides_on_what_the_stage_made_before_it() -> None:

@@ -411,7 +411,8 @@ def stage_scratch(costs: Sequence[profile_pb2.LayerCost], *, first: bool = False
     the layer's own scratch (which includes its gradients). (The first W or B of a stage in a
     step makes the gradients that are accumulated, which the static bytes
     count: the simulator leaves them out of that action's scratch.) The first
-    stage's I computes nothing (``first``).
+    stage's I computes nothing (``first``), so its W's scratch is the full
+    backward's.
     """
     if not costs:
         return {}
@@ -433,13 +434,20 @@ def stage_scratch(costs: Sequence[profile_pb2.LayerCost], *, first: bool = False
             most = max(most, held + int(getattr(cost, field)))
         return max(0, most - total)
 
+    weight_field = (
+        "full_backward_scratch_bytes"
+        if first and any(c.full_backward_scratch_bytes for c in costs)
+        else "backward_weight_scratch_bytes"
+    )
     return {
         "forward_scratch_bytes": above_running("forward_scratch_bytes", "activation_saved_bytes", costs),
         "backward_input_scratch_bytes": 0
         if first
         else above_running("backward_input_scratch_bytes", "backward_input_kept_bytes", reversed(costs)),
-        "backward_weight_scratch_bytes": with_gradients("backward_weight_scratch_bytes")
-        if any(c.backward_weight_scratch_bytes for c in costs)
+        # the first stage's W back-propagates through the whole stage (its I computes nothing): the full
+        # backward's scratch, the input gradients between its layers included
+        "backward_weight_scratch_bytes": with_gradients(weight_field)
+        if any(getattr(c, weight_field) for c in costs)
         else 0,
         "full_backward_scratch_bytes": with_gradients("full_backward_scratch_bytes")
         if any(c.full_backward_scratch_bytes for c in costs)
