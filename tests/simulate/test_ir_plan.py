@@ -10,6 +10,7 @@ from hypothesis import given, settings
 
 from octopipe.ir import (
     PlanError,
+    Recompute,
     StageSpec,
     add_p2p_actions,
     build_plan,
@@ -24,6 +25,7 @@ from octopipe.ir import (
     save_plan,
     stage_ranks,
     validate_plan,
+    with_recompute,
 )
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import verify_plan
@@ -83,6 +85,14 @@ def test_text_form_reads_as_documented() -> None:
     assert 'stage 1 rank 1 ["l1", "head"]' in text
     assert "rank 0 cap 1073741824: 0UNSHARD 0F0 0SEND_F0" in text
     assert "rank 1: 1RECV_F0 1F0 1RECV_F1 (1F1;1B0)OVERLAP_F_B" in text
+
+
+def test_torch_csv_export_refuses_a_plan_that_recomputes() -> None:
+    """torch's CSV holds only action orders: a plan whose stages recompute is refused, not silently changed."""
+    plan = with_recompute(two_stage_plan(), {1: Recompute(policy="budget", activation_budget=0.5)})
+    with pytest.raises(PlanError, match=r"stages \[1\] recompute \(budget:0.5\): torch's CSV holds action orders"):
+        plan_to_torch_csv(plan)
+    assert plan_to_torch_csv(with_recompute(plan, {1: Recompute()})) == plan_to_torch_csv(two_stage_plan())
 
 
 def test_torch_csv_round_trip_keeps_actions_and_placement() -> None:

@@ -29,6 +29,7 @@ from typing import Literal
 from octopipe.ir.actions import Action, ActionKind, parse_action
 from octopipe.ir.lower import add_p2p_actions
 from octopipe.ir.plan import PlanError, StageSpec, build_plan, rank_actions
+from octopipe.ir.recompute import recompute_of
 from octopipe.plan.v1 import plan_pb2
 
 __all__ = ["CsvFormat", "plan_from_torch_csv", "plan_to_torch_csv"]
@@ -65,6 +66,13 @@ def plan_to_torch_csv(plan: plan_pb2.Plan, *, format: CsvFormat = "compute_comms
     """The plan's per-rank actions as torch CSV text (``compute_comms`` with REDUCE_GRAD: see the module doc)."""
     if format not in ("compute_only", "compute_comms"):
         raise ValueError(f"format must be 'compute_only' or 'compute_comms', got {format!r}")
+    recomputing = {s.stage_index: recompute_of(s).label for s in plan.stages if recompute_of(s).policy != "none"}
+    if recomputing:
+        raise PlanError(
+            f"stages {sorted(recomputing)} recompute ({', '.join(sorted(set(recomputing.values())))}): torch's CSV "
+            "holds action orders only, so the export would drop it; clear Stage.recompute first "
+            "(octopipe.ir.with_recompute) or run the plan with octopipe"
+        )
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     actions = _with_reduce_grad(plan) if format == "compute_comms" else rank_actions(plan)
