@@ -67,9 +67,10 @@ def scaled_profile(workload: str, scale: float, latency_us: float, bandwidth: fl
     """The workload's profile with every duration times ``scale`` and this machine's link between all ranks."""
     profile = workload_profile(workload)
     for layer in profile.layers:
-        layer.forward_duration_us *= scale
-        layer.backward_input_duration_us *= scale
-        layer.backward_weight_duration_us *= scale
+        for cost in (layer, *layer.recomputed):  # the recomputation variants' durations too
+            cost.forward_duration_us *= scale
+            cost.backward_input_duration_us *= scale
+            cost.backward_weight_duration_us *= scale
     for link in profile.links:
         link.latency_us, link.bandwidth_bytes_per_second = latency_us, bandwidth
     profile.labels["emulated_time_scale"] = str(scale)
@@ -94,8 +95,11 @@ def library_plans(profile: profile_pb2.Profile, p: int, m: int) -> tuple[list[pl
     return plans, skipped
 
 
-def tuned_plan(profile: profile_pb2.Profile, p: int, m: int, budget_s: float) -> plan_pb2.Plan:
-    config = TuneConfig(num_ranks=p, num_microbatches=m, time_budget_s=budget_s, default_link=local_link(profile))
+def tuned_plan(profile: profile_pb2.Profile, p: int, m: int, budget_s: float, cap: int | None = None) -> plan_pb2.Plan:
+    """The tuner's plan under ``cap`` per rank (None: 1F1B's peak), recomputation searched where profiled."""
+    config = TuneConfig(
+        num_ranks=p, num_microbatches=m, time_budget_s=budget_s, default_link=local_link(profile), memory_cap_bytes=cap
+    )
     plan = tune(profile, config).plan
     plan.name = plan.name if plan.name.startswith("tuned") else f"tuned-{plan.name}"
     plan.labels["schedule"] = "tuned"
