@@ -180,7 +180,7 @@ def main() -> None:
     point_rows = []
     for name in args.workloads:
         point_rows += points(workload_profile(name), name, args.point_ranks, args.fractions, args.budget)
-    rows = []
+    rows: list[dict[str, object]] = []
     if args.points_only:
         rows = json.loads(args.out.read_text()).get("rows", []) if args.out.exists() else []
         args.workloads = []

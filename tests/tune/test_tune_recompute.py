@@ -6,6 +6,7 @@ import json
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from google.protobuf import json_format
@@ -121,7 +122,7 @@ def test_an_unfittable_budget_names_the_smallest_peak_and_its_plan() -> None:
 # --- octopipe tune: --memory-budget and --recompute ---
 
 
-def tune_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict, str]:  # type: ignore[type-arg]
+def tune_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any], str]:
     profile_path = tmp_path / "profile.json"
     profile_path.write_text(json_format.MessageToJson(recomputing_profile()))
     argv = ["tune", str(profile_path), "--ranks", str(RANKS), "--microbatches", str(MICROBATCHES), "--kicks", "0"]
