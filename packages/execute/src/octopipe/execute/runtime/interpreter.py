@@ -353,7 +353,17 @@ class RankRuntime:
                 assert slot[mb] is None, f"stage {stage}, micro-batch {mb}: two weight gradients"
                 slot[mb] = grad
                 continue
-            acc[index] = grad if acc[index] is None else acc[index] + grad  # type: ignore[operator]
+            # in place: an out-of-place sum would hold a second copy of the largest gradient while every
+            # new gradient of the backward is still alive, bytes the simulator does not count (same kernel,
+            # same bits as ``acc + grad``)
+            held = acc[index]
+            if held is not None:
+                held.add_(grad)
+            elif any(g is not None and g.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()
+                     for g in acc):  # fmt: skip
+                acc[index] = grad.clone()  # two gradients in one storage: adding into one must not change both
+            else:
+                acc[index] = grad
 
     def run_step(
         self,
