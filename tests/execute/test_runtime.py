@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import time
 from collections.abc import Callable
 
@@ -18,6 +21,7 @@ from octopipe.execute.runtime import (
     workload_reference,
 )
 from octopipe.execute.runtime.interop import torch_schedule_plan
+from octopipe.execute.runtime.launcher import _no_message
 from octopipe.ir import Action, ActionKind, Program, StageSpec, add_p2p_actions, build_plan, compile_plan, rank_actions
 from octopipe.plan.v1 import plan_pb2
 from octopipe.simulate import uniform_profile
@@ -170,3 +174,18 @@ def test_a_failing_rank_stops_every_rank_with_its_error() -> None:
     with pytest.raises(RunFailed, match=r"rank 0, step 1, action 2 \(0SEND_F0\): injected failure after 3 actions"):
         run_local(plan, RunOptions(steps=2, timeout_s=30, fail_at={0: (1, 3)}))
     assert time.monotonic() - started < 30 + 15  # the other rank does not hang
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_the_signal() -> None:
+    """A rank that dies natively (glibc's abort on heap corruption, a segfault) writes no error file: the
+    failure names the process and its signal, not only 'died without a message'."""
+    context = multiprocessing.get_context("spawn")
+    aborted = context.Process(target=os.abort, name="octopipe-rank0")
+    finished = context.Process(target=int, name="octopipe-rank1")
+    for process in (aborted, finished):
+        process.start()
+        process.join(60)
+    assert aborted.exitcode == -signal.SIGABRT and finished.exitcode == 0
+    message = _no_message([aborted, finished])
+    assert "octopipe-rank0 by SIGABRT" in message and "rank1" not in message
+    assert _no_message([finished]) == "a rank died without a message"

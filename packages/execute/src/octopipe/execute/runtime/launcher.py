@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import queue
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -135,7 +136,7 @@ def run_local_many(
         wall = time.monotonic() - started
         errors = sorted(Path(folder).glob("rank*.error"), key=lambda p: p.stat().st_mtime)
         if errors or any(p.exitcode != 0 for p in processes):
-            first = errors[0].read_text().split("\n\n")[0] if errors else "a rank died without a message"
+            first = errors[0].read_text().split("\n\n")[0] if errors else _no_message(processes)
             codes = {p.name: p.exitcode for p in processes}
             raise RunFailed(f"{first} (exit codes {codes})")
         results = [
@@ -144,6 +145,16 @@ def run_local_many(
     merged = merge_results(plans, results, wall)
     log.info("run_finished", wall_s=round(wall, 2), losses=[[round(x, 5) for x in r.losses] for r in merged])
     return merged
+
+
+def _no_message(processes: Sequence[Any]) -> str:
+    """What to say when no rank wrote an error: which died of which signal (stderr has its threads' stacks)."""
+    killed = [f"{p.name} by {signal.Signals(-p.exitcode).name}" for p in processes if p.exitcode and p.exitcode < 0]
+    if not killed:
+        return "a rank died without a message"
+    return (
+        f"a rank died without a message, killed by a signal ({', '.join(killed)}; its stderr has every thread's stack)"
+    )
 
 
 def _model_problem(plans: Sequence[plan_pb2.Plan], options: RunOptions, world: int) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 import sys
 import traceback
@@ -102,6 +103,9 @@ def worker_main(config: WorkerConfig, events: StepEvents | None = None) -> None:
     rank = config.rank
     out = Path(config.result_dir)
     (out / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
+    # a native crash (an abort, a segfault) prints every thread's Python stack to stderr: without it a rank
+    # killed by a signal leaves only its exit code
+    faulthandler.enable(all_threads=True)
     if config.die_with_parent:
         die_with_parent()
     cores: list[int] = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
